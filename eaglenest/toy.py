@@ -1,0 +1,364 @@
+"""The embedded toy target: a tiny reasoning Llama that the default workflow serves and drafts for.
+
+It is built from a seed by code in this module: a character-level tokenizer with chat markers and
+`<think>`/`</think>`, a chat template that opens a thinking section like DeepSeek-R1, and a
+4-layer Llama trained on procedurally generated arithmetic (per-digit steps inside the thinking
+section, then the answer). The same generator writes the bundled prompts.
+
+    python -m eaglenest.toy --out toy/target --prompts toy/prompts.jsonl --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import string
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
+ROLE_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>"]
+# Not special: vLLM detokenizes with skip_special_tokens=True and its deepseek_r1 reasoning parser
+# splits on the "</think>" text, so these must survive decoding (DeepSeek-R1 and Qwen3 do the same).
+THINK_START, THINK_END = "<think>", "</think>"
+CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+# Jinja, saved with the tokenizer so that vLLM's /v1/chat/completions renders the same prompt.
+# Earlier assistant turns keep only their content (as DeepSeek-R1 does); the generation prompt
+# opens the thinking section, so the model writes reasoning, "</think>", the answer, then eos.
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] %}{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system = none %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- if system %}{{- '<|system|>' + system }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}{{- '<|user|>' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' %}{{- '<|assistant|>' + m['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('toy chat template: unsupported role ' + m['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|><think>\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(out_dir=None):
+    """Return the character-level PreTrainedTokenizerFast; save it to out_dir when given."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [BOS, EOS, PAD, UNK, *ROLE_MARKERS]
+    vocab = {t: i for i, t in enumerate([*specials, THINK_START, THINK_END, *CHARS])}
+    # BPE without merges splits text into single characters; Fuse joins them back on decode
+    # (the default decoder would put spaces between tokens).
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_START, THINK_END)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        extra_special_tokens={"system_token": "<|system|>", "user_token": "<|user|>",
+                              "assistant_token": "<|assistant|>"},
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    if out_dir is not None:
+        tok.save_pretrained(out_dir)
+    return tok
+
+
+def render_prompt(question: str, system: str | None = None) -> str:
+    """The chat template's generation prompt for one user question, rendered without transformers
+    (fast enough to call for every training sample)."""
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        import jinja2
+
+        _TEMPLATE = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": question})
+    return _TEMPLATE.render(messages=messages, bos_token=BOS, eos_token=EOS,
+                            add_generation_prompt=True)
+
+
+_TEMPLATE = None
+
+
+def completion_text(sample: dict) -> str:
+    """What the model writes after the generation prompt, eos excluded."""
+    return f"{sample['reasoning']}\n{THINK_END}\n\n{sample['answer']}"
+
+
+# --- task ---------------------------------------------------------------------------------------
+
+# Phrasings per operation; {x} and {y} are the operands in the order the reasoning uses them.
+PHRASINGS = {
+    "+": ["What is {x} + {y}?", "What is {x} plus {y}?", "Compute {x} + {y}.", "Add {x} and {y}.",
+          "Find the sum of {x} and {y}.", "How much is {x} plus {y}?", "Calculate {x}+{y}.",
+          "{x} + {y} = ?", "What do you get if you add {y} to {x}?"],
+    "-": ["What is {x} - {y}?", "What is {x} minus {y}?", "Compute {x} - {y}.",
+          "Subtract {y} from {x}.", "Find the difference {x} - {y}.", "How much is {x} minus {y}?",
+          "Calculate {x}-{y}.", "{x} - {y} = ?", "Take {y} away from {x}."],
+    "*": ["What is {x} * {y}?", "What is {x} times {y}?", "Compute {x} * {y}.",
+          "Multiply {x} by {y}.", "Find the product of {x} and {y}.", "How much is {x} times {y}?",
+          "Calculate {x}*{y}.", "{x} * {y} = ?", "What is {y} times {x}?"],
+}
+SYSTEM_PROMPTS = ["You are a careful calculator.", "Think step by step.",
+                  "You are a helpful assistant.", "Answer with the exact number."]
+
+
+def _operand(rng: random.Random, lo_digits: int, hi_digits: int) -> int:
+    n = rng.randint(lo_digits, hi_digits)
+    return rng.randint(10 ** (n - 1), 10**n - 1)
+
+
+def _steps(op: str, x: int, y: int) -> list[str]:
+    """Per-digit steps, least significant first; carries and borrows are written as numbers, not
+    words, so that steps differ from each other (a repeated word in every step lowers the
+    distinct-4-gram ratio and makes a draft's job artificially easy)."""
+    xs = [int(c) for c in reversed(str(x))]
+    lines, carry = [], 0
+    if op == "*":
+        for d in xs:
+            v = d * y + carry
+            lines.append(f"{d}*{y}" + (f"+{carry}" if carry else "") + f"={v}")
+            carry = v // 10
+        return lines
+    ys = [int(c) for c in reversed(str(y))] + [0] * (len(xs) - len(str(y)))
+    for a, b in zip(xs, ys):
+        if op == "+":
+            v = a + b + carry
+            lines.append(f"{a}+{b}" + (f"+{carry}" if carry else "") + f"={v}")
+            carry = v // 10
+        else:
+            a -= carry  # the borrow taken by the previous digit
+            carry = int(a < b)
+            lines.append(f"{a + 10 * carry}-{b}={a + 10 * carry - b}")
+    return lines
+
+
+def make_sample(rng: random.Random) -> dict:
+    """One arithmetic question with its per-digit reasoning and its final answer."""
+    op = rng.choice("+-*")
+    if op == "*":
+        x, y = _operand(rng, 2, 4), rng.randint(2, 9)
+    else:
+        x, y = _operand(rng, 2, 4), _operand(rng, 2, 4)
+        if op == "-" and x < y:
+            x, y = y, x
+        elif op == "+" and len(str(x)) < len(str(y)):
+            x, y = y, x  # the longer operand leads, so the steps walk over its digits
+    result = {"+": x + y, "-": x - y, "*": x * y}[op]
+    return {
+        "question": rng.choice(PHRASINGS[op]).format(x=x, y=y),
+        "reasoning": "\n".join(_steps(op, x, y)),
+        "answer": f"{x} {op} {y} = {result}",
+    }
+
+
+def write_prompts(path, n: int, seed: int) -> None:
+    """Write n distinct questions in the open-perfectblend schema (one JSON object per line)."""
+    rng = random.Random(f"eaglenest-toy-prompts-{seed}")  # distinct from the training stream
+    seen, rows = set(), []
+    while len(rows) < n:
+        s = make_sample(rng)
+        if s["question"] in seen:
+            continue
+        seen.add(s["question"])
+        rows.append({
+            "conversations": [{"from": "human", "value": s["question"]},
+                              {"from": "gpt", "value": s["answer"]}],
+            "source": "eaglenest-toy/arithmetic",
+        })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+# --- quality metric -----------------------------------------------------------------------------
+
+def answer_quality(texts: Sequence[Sequence[int]]) -> dict:
+    """Diversity of a set of completions (token ids, reasoning included).
+
+    unique_fraction: distinct completions / completions. distinct_4gram_ratio: mean over
+    completions of distinct 4-grams / all 4-grams (completions shorter than 4 tokens are left out).
+    A looping or question-independent target scores low on one of them, and makes drafting trivial.
+    """
+    ratios = []
+    for t in texts:
+        grams = [tuple(t[i:i + 4]) for i in range(len(t) - 3)]
+        if grams:
+            ratios.append(len(set(grams)) / len(grams))
+    return {
+        "unique_fraction": len({tuple(t) for t in texts}) / max(len(texts), 1),
+        "distinct_4gram_ratio": sum(ratios) / max(len(ratios), 1),
+    }
+
+
+# --- model --------------------------------------------------------------------------------------
+
+def model_config(tok):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4,  # head_dim 32: vLLM's CPU attention has it
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, dtype="float32",  # float32 keeps greedy decoding stable on CPU
+    )
+
+
+def _batch(tok, rng: random.Random, size: int):
+    """Right-padded input ids [B, T] and labels [B, T] (-100 on prompt and padding)."""
+    import torch
+
+    prompts, completions = [], []
+    for _ in range(size):
+        s = make_sample(rng)
+        system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.2 else None
+        prompts.append(render_prompt(s["question"], system))
+        completions.append(completion_text(s) + EOS)
+    p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tok(completions, add_special_tokens=False)["input_ids"]
+    width = max(len(p) + len(c) for p, c in zip(p_ids, c_ids))
+    ids = torch.full((size, width), tok.pad_token_id)
+    labels = torch.full((size, width), -100)
+    for i, (p, c) in enumerate(zip(p_ids, c_ids)):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)  # loss only where the model answers
+    return ids, labels
+
+
+def build_target(out_dir, seed: int = 0, steps: int = 600, batch_size: int = 64, lr: float = 3e-3,
+                 log_every: int = 50, log=print) -> dict:
+    """Train the toy target from seed and save model, tokenizer and chat template to out_dir.
+    Returns a summary (params, steps, seconds, final loss)."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    tok = build_tokenizer()
+    model = LlamaForCausalLM(model_config(tok))
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = max(steps // 20, 1)
+
+    def lr_at(step):  # linear warmup, cosine decay to a tenth
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    rng = random.Random(f"eaglenest-toy-train-{seed}")
+    t0, loss_avg = time.time(), None
+    model.train()
+    for step in range(1, steps + 1):
+        ids, labels = _batch(tok, rng, batch_size)
+        loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
+        if step % log_every == 0 or step == steps:
+            log(f"step {step}/{steps}  loss {loss_avg:.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+                f"{time.time() - t0:.0f}s")
+    seconds = time.time() - t0
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return {"params": n_params, "steps": steps, "seconds": seconds, "loss": loss_avg}
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+def greedy_completions(model, tok, questions: Sequence[str], max_new_tokens: int = 160,
+                       batch_size: int = 64) -> list[list[int]]:
+    """Greedy completion token ids per question (up to and including eos), via the chat template."""
+    import torch
+
+    out = []
+    tok.padding_side = "left"  # generation continues from the right edge
+    for i in range(0, len(questions), batch_size):
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True)
+                   for q in questions[i:i + batch_size]]
+        enc = tok(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for row in gen[:, enc["input_ids"].shape[1]:].tolist():
+            # generate pads finished rows; keep tokens up to the first eos
+            out.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    return out
+
+
+def final_answer(tok, completion: Sequence[int]) -> str:
+    """The text after </think>, as vLLM's deepseek_r1 parser would return it (stripped)."""
+    text = tok.decode(completion, skip_special_tokens=True)
+    return text.partition(THINK_END)[2].strip()
+
+
+def evaluate(model_dir, rows: Sequence[dict]) -> dict:
+    """Greedy-decode the human turn of each prompt row; exact match against the gpt turn, plus
+    answer_quality and the mean completion length in tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    questions = [r["conversations"][0]["value"] for r in rows]
+    comps = greedy_completions(model, tok, questions)
+    exact = sum(final_answer(tok, c) == r["conversations"][1]["value"] for c, r in zip(comps, rows))
+    return {"exact_match": exact / len(rows), **answer_quality(comps),
+            "mean_tokens": sum(map(len, comps)) / len(comps),
+            "ended_with_eos": sum(c[-1:] == [tok.eos_token_id] for c in comps) / len(comps)}
+
+
+def read_prompts(path) -> list[dict]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eaglenest.toy", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="toy/target", help="model directory to write")
+    ap.add_argument("--prompts", default="toy/prompts.jsonl", help="prompts file to write")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--n-prompts", type=int, default=2000)
+    ap.add_argument("--n-eval", type=int, default=200, help="shipped prompts to evaluate on")
+    args = ap.parse_args(argv)
+
+    write_prompts(args.prompts, args.n_prompts, args.seed)
+    summary = build_target(args.out, seed=args.seed, steps=args.steps)
+    q = evaluate(args.out, read_prompts(args.prompts)[:args.n_eval])
+    print(f"toy target: {summary['params'] / 1e6:.2f}M params, {summary['steps']} steps, "
+          f"{summary['seconds']:.0f}s; on {args.n_eval} prompts: exact {q['exact_match']:.1%}, "
+          f"unique {q['unique_fraction']:.1%}, distinct 4-grams {q['distinct_4gram_ratio']:.3f}, "
+          f"{q['mean_tokens']:.0f} tokens/completion, eos {q['ended_with_eos']:.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+# Config validation, paths and helpers shared by every rule file.
+import os
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+
+# Rule scripts import the eaglenest package from this checkout, also inside conda environments.
+sys.path.insert(0, workflow.basedir)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
+)
+# The process that owns the local server: its watchdog stops the server when this process dies.
+# setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
+os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
+
+from eaglenest.config import ConfigError, validate_config
+from eaglenest.server import LocalPaths, ServerConfig, stop_local
+
+try:
+    config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
+except ConfigError as e:
+    raise WorkflowError(str(e)) from None
+
+SHARDS = list(range(config["shards"]))
+SERVER = ServerConfig.from_dict(config["server"])
+SERVER_LOGS = LocalPaths(Path("logs/server"))
+
+
+def all_targets(wildcards):
+    return expand("traces/shard_{i}.jsonl", i=SHARDS) + ["server.stopped"]
+
+
+def dataset_files(wildcards):
+    """A local dataset is an input, so editing it reruns prepare_prompts; a hub name is not a file."""
+    path = config["dataset"]["path"]
+    return [path] if os.path.exists(path) else []
+
+
+def stop_server_on_exit(why):
+    """The server never outlives the workflow by accident (unless server.keep_server is set)."""
+    if SERVER.mode == "local" and not SERVER.keep_server:
+        if stop_local(SERVER_LOGS, log=lambda m: logger.info(f"eaglenest: {m} ({why})")):
+            Path("server.ready").unlink(missing_ok=True)

@@ -1,0 +1,34 @@
+# The generation server. server.ready is temp(): it is rebuilt (the server started or found again)
+# whenever a consumer must run, and removed once the last consumer is done.
+
+
+localrules:
+    server_ready,
+    stop_server,
+
+
+rule server_ready:
+    output:
+        temp("server.ready"),
+    params:
+        server=config["server"],
+        log_dir=str(SERVER_LOGS.log_dir),
+    log:
+        "logs/server_ready.log",
+    script:
+        "../scripts/server_ready.py"
+
+
+rule stop_server:
+    """Stops a local server once every trace shard is done: downstream GPU work waits on this edge."""
+    input:
+        expand("traces/shard_{i}.jsonl", i=SHARDS),
+    output:
+        "server.stopped",
+    params:
+        server=config["server"],
+        log_dir=str(SERVER_LOGS.log_dir),
+    log:
+        "logs/stop_server.log",
+    script:
+        "../scripts/stop_server.py"

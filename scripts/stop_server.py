@@ -1,0 +1,20 @@
+"""Stop the local generation server once every trace shard is done (unless server.keep_server)."""
+import json
+from pathlib import Path
+
+from eaglenest.logs import to_log
+
+to_log(snakemake.log[0])
+
+from eaglenest.server import LocalPaths, ServerConfig, stop_local
+
+cfg = ServerConfig.from_dict(snakemake.params.server)
+if cfg.mode == "local" and not cfg.keep_server:
+    stopped = stop_local(LocalPaths(Path(snakemake.params.log_dir)))
+    what = "stopped" if stopped else "not running"
+elif cfg.mode == "local":
+    what = "kept (server.keep_server)"
+else:
+    what = f"left alone ({cfg.mode} mode)"
+print(f"generation server: {what}")
+Path(snakemake.output[0]).write_text(json.dumps({"server": what}) + "\n")
