@@ -259,10 +259,11 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None = None,
-                log=print) -> dict:
+                sentinel: str | Path | None = None, log=print) -> dict:
     """Start vLLM in its own process group, or reuse a healthy server this workflow started before.
 
-    Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the port
+    `sentinel` (server.ready) is removed whenever the server is stopped, so it never describes a
+    server we know is gone. Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the port
     is held by a process that is not ours."""
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key()
@@ -301,7 +302,8 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
     logf.close()
     record = {"pid": proc.pid, "pgid": proc.pid, "port": cfg.port, "host": cfg.host,
               "url": cfg.local_url, "model": cfg.model_id, "command": cmd, "log": str(paths.log),
-              "started_at": time.time(), "keep": cfg.keep_server}
+              "started_at": time.time(), "keep": cfg.keep_server,
+              "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
     if workflow_pid and not cfg.keep_server:
         watchdog = subprocess.Popen(
             [sys.executable, "-m", "eaglenest.server", "watch", "--workflow-pid", str(workflow_pid),
@@ -330,6 +332,8 @@ def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> b
     if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
         _signal_group(record["watchdog_pid"], signal.SIGTERM)
     paths.pidfile.unlink(missing_ok=True)
+    if record.get("sentinel"):
+        Path(record["sentinel"]).unlink(missing_ok=True)
     if was_running:
         log(f"stopped vLLM (pid {record['pid']})")
     return was_running

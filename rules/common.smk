@@ -32,6 +32,12 @@ def all_targets(wildcards):
     return expand("traces/shard_{i}.jsonl", i=SHARDS) + ["server.stopped"]
 
 
+def answer_settings():
+    """The settings that change the answers (the served model included): a change reruns the traces."""
+    keys = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
+    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in keys}}
+
+
 def dataset_files(wildcards):
     """A local dataset is an input, so editing it reruns prepare_prompts; a hub name is not a file."""
     path = config["dataset"]["path"]
@@ -41,5 +47,4 @@ def dataset_files(wildcards):
 def stop_server_on_exit(why):
     """The server never outlives the workflow by accident (unless server.keep_server is set)."""
     if SERVER.mode == "local" and not SERVER.keep_server:
-        if stop_local(SERVER_LOGS, log=lambda m: logger.info(f"eaglenest: {m} ({why})")):
-            Path("server.ready").unlink(missing_ok=True)
+        stop_local(SERVER_LOGS, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))

@@ -8,6 +8,8 @@ rule prepare_prompts:
     params:
         dataset=config["dataset"],
         shards=config["shards"],
+    conda:
+        "../envs/eaglenest.yaml"
     log:
         "logs/prepare_prompts.log",
     script:

@@ -6,13 +6,13 @@ rule generate_traces:
         traces="traces/shard_{i}.jsonl",
         stats="traces/shard_{i}.stats.json",
     params:
-        generation=config["generation"],
-        # The answers depend on the served model: a new model means new traces.
-        model=SERVER.model_id,
-        api_key_env=config["server"]["api_key_env"],
+        # Only what changes the answers: concurrency or timeouts do not make traces stale.
+        answers=answer_settings(),
     resources:
         # Shards go one at a time, each with generation.concurrency requests in flight.
         generation_slots=1,
+    conda:
+        "../envs/eaglenest.yaml"
     log:
         "logs/generate_traces/shard_{i}.log",
     benchmark:

@@ -6,9 +6,9 @@ to_log(snakemake.log[0])
 from eaglenest.server import ServerConfig, check_sentinel
 from eaglenest.traces import generate_shard
 
-gen = dict(snakemake.params.generation)
+gen = dict(snakemake.config["generation"])
 max_error_fraction = gen.pop("max_error_fraction")
-api_key = ServerConfig(api_key_env=snakemake.params.api_key_env).api_key()
+api_key = ServerConfig.from_dict(snakemake.config["server"]).api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)
 generate_shard(snakemake.input.prompts, snakemake.output.traces, urls=ready["urls"], model=ready["model"],
                generation=gen, api_key=api_key, stats_path=snakemake.output.stats,

@@ -11,7 +11,8 @@ from eaglenest.server import LocalPaths, ServerConfig, start_local, stop_local, 
 cfg = ServerConfig.from_dict(snakemake.params.server)
 paths = LocalPaths(Path(snakemake.params.log_dir))
 if cfg.mode == "local":
-    start_local(cfg, paths, workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
+    start_local(cfg, paths, workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None,
+                sentinel=snakemake.output[0])
     try:
         ready = wait_ready(cfg, paths)
     except BaseException:
