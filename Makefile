@@ -28,7 +28,9 @@ endif
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
+# The SLURM tests run against a real one-node cluster on this machine (needs root, as CI has).
 test: $(STAMP)
+	bash ci/slurm_up.sh
 	$(PY) -m pytest -ra --timeout=1800 tests
 
 clean-outputs:

@@ -11,6 +11,8 @@ include: "rules/common.smk"
 include: "rules/prompts.smk"
 include: "rules/server.smk"
 include: "rules/traces.smk"
+include: "rules/hidden.smk"
+include: "rules/draft.smk"
 
 
 rule all:

@@ -208,7 +208,8 @@ def vllm_command(cfg: ServerConfig) -> list[str]:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.reasoning_parser:
         cmd += ["--reasoning-parser", cfg.reasoning_parser]
-    if cfg.gpu_memory_utilization is not None and shutil.which("nvidia-smi"):
+    # On CPU, vLLM applies it to the memory of the NUMA node (it refuses to start above what is free).
+    if cfg.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.dtype:
         cmd += ["--dtype", cfg.dtype]

@@ -1,5 +1,6 @@
 # Config validation, paths and helpers shared by every rule file.
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
 from eaglenest.config import ConfigError, validate_config
 from eaglenest.server import LocalPaths, ServerConfig, stop_local
+from eaglenest.slurm import SlurmPaths, cancel_server
 
 try:
     config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
@@ -28,8 +30,35 @@ SERVER = ServerConfig.from_dict(config["server"])
 SERVER_LOGS = LocalPaths(Path("logs/server"))
 
 
+HAS_GPU = bool(shutil.which("nvidia-smi"))
+
+
+def all_cores():
+    """Every core given with --cores; 1 under an executor without --cores (the profile sizes the job)."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
+def gpus(section):
+    """GPUs a rule asks for: `<section>.gpus`, else one where this machine has a GPU."""
+    n = config[section].get("gpus")
+    return int(HAS_GPU) if n is None else n
+
+
 def all_targets(wildcards):
-    return expand("traces/shard_{i}.jsonl", i=SHARDS) + ["server.stopped"]
+    return ["draft/checkpoint"]
+
+
+def target_model():
+    """The target as transformers loads it: hidden.target, else the served model."""
+    return config["hidden"]["target"] or config["server"]["model"]
+
+
+def hidden_output(path):
+    """Hidden shards are hundreds of GB at real scale: hidden.temporary deletes them after training."""
+    return temp(path) if config["hidden"]["temporary"] else path
 
 
 def answer_settings():
@@ -46,5 +75,8 @@ def dataset_files(wildcards):
 
 def stop_server_on_exit(why):
     """The server never outlives the workflow by accident (unless server.keep_server is set)."""
+    log = lambda m: logger.info(f"eaglenest: {m} ({why})")
     if SERVER.mode == "local" and not SERVER.keep_server:
-        stop_local(SERVER_LOGS, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))
+        stop_local(SERVER_LOGS, log=log)
+    elif SERVER.mode == "slurm" and not SERVER.keep_server:
+        cancel_server(SlurmPaths(SERVER_LOGS.log_dir), log=log)

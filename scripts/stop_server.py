@@ -12,7 +12,12 @@ cfg = ServerConfig.from_dict(snakemake.params.server)
 if cfg.mode == "local" and not cfg.keep_server:
     stopped = stop_local(LocalPaths(Path(snakemake.params.log_dir)))
     what = "stopped" if stopped else "not running"
-elif cfg.mode == "local":
+elif cfg.mode == "slurm" and not cfg.keep_server:
+    from eaglenest.slurm import SlurmPaths, cancel_server
+
+    stopped = cancel_server(SlurmPaths(Path(snakemake.params.log_dir)))
+    what = "cancelled (SLURM job)" if stopped else "not running"
+elif cfg.mode in ("local", "slurm"):
     what = "kept (server.keep_server)"
 else:
     what = f"left alone ({cfg.mode} mode)"

@@ -1,0 +1,414 @@
+"""`server.mode: slurm`: vLLM as its own SLURM job. Submit it (or find it again), learn its node,
+wait until it serves, cancel it.
+
+The job is named `eaglenest-server-<hash of workdir, model, port>`, so a rerun finds a server job
+this workflow started that is still pending or running (`squeue --me --name`) and reuses it instead
+of queueing another. Its `--comment` carries a hash of the settings (command line, sbatch options,
+env): a job found with other settings is cancelled and replaced, as in local mode. The job id, name
+and log are kept in `logs/server/slurm.job.json` (the local mode's pidfile, for SLURM).
+
+vLLM listens on 0.0.0.0 so jobs on other nodes reach it at http://NODE:PORT, where NODE is the
+node's address as SLURM knows it (NodeAddr). The API key goes to the job by environment only
+(sbatch --export=ALL); it is never written into the batch script, the record or a log.
+
+A watchdog (`python -m eaglenest.slurm watch ...`) cancels the job when the workflow process that
+asked for it dies, so an idle GPU job does not outlive its workflow until its time limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglenest.server import (ServerConfig, ServerError, _alive, _signal_group, _write_json_atomic, log_tail,
+                              probe, vllm_command)
+
+JOB_PREFIX = "eaglenest-server-"
+# States in which a job may still serve; anything else means it has ended (or is ending).
+ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
+# Reasons a pending job never leaves the queue by itself: fail now instead of waiting forever.
+NEVER_STARTS = {"PartitionConfig", "PartitionTimeLimit", "PartitionNodeLimit", "InvalidAccount", "InvalidQOS",
+                "BadConstraints", "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit",
+                "DependencyNeverSatisfied"}
+CANCEL_GRACE_S = 60.0
+REPORT_EVERY_S = 30.0
+
+
+@dataclass
+class SlurmSettings:
+    """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
+
+    partition: str | None = None        # None: $SBATCH_PARTITION, else the cluster's default
+    account: str | None = None          # None: $SBATCH_ACCOUNT, else none
+    time: str | int = "24:00:00"        # sbatch --time; an int is minutes
+    cpus: int = 8                       # --cpus-per-task of the one task
+    mem: str | int | None = None        # --mem (e.g. "200G"; an int is MB); None: the cluster's default
+    gpus: int | None = None             # --gres=gpu:N; None: server.tensor_parallel_size
+    extra_sbatch_args: list[str] = field(default_factory=list)   # e.g. ["--qos=high", "--constraint=h200"]
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SlurmSettings":
+        return cls(**{k: v for k, v in (d or {}).items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class SlurmPaths:
+    """Where the server job's record and logs live (the workflow's logs/server/)."""
+
+    log_dir: Path
+
+    @property
+    def record(self) -> Path:
+        return self.log_dir / "slurm.job.json"
+
+    @property
+    def log_pattern(self) -> Path:
+        return self.log_dir / "vllm.slurm-%j.log"  # sbatch puts the job id in place of %j
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM commands
+
+
+def _slurm(args: list[str], *, input: str | None = None, env: dict | None = None,
+           check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    if shutil.which(args[0]) is None:
+        raise ServerError(f"server.mode is 'slurm' but `{args[0]}` is not on PATH: run the workflow where the SLURM "
+                          f"client tools are installed (for a one-node test cluster: ci/slurm_up.sh)")
+    try:
+        out = subprocess.run(args, input=input, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ServerError(f"`{shlex.join(args)}` did not answer within {timeout:g} s: is slurmctld up?") from e
+    if check and out.returncode != 0:
+        raise ServerError(f"`{shlex.join(args)}` failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+    return out
+
+
+def _parse_squeue(stdout: str) -> list[dict]:
+    jobs = []
+    for line in stdout.splitlines():
+        parts = line.strip().split("|", 5)
+        if len(parts) == 6:
+            job_id, state, node, reason, comment, name = parts
+            jobs.append({"job_id": job_id, "state": state, "node": node, "reason": reason.strip("()"),
+                         "comment": comment, "name": name})
+    return jobs
+
+
+SQUEUE_FORMAT = "%i|%T|%N|%r|%k|%j"
+
+
+def find_jobs(name: str) -> list[dict]:
+    """This user's pending or running jobs called `name`: [{job_id, state, node, reason, comment, name}]."""
+    out = _slurm(["squeue", "--me", "--noheader", "--name", name, "--format", SQUEUE_FORMAT])
+    return [j for j in _parse_squeue(out.stdout) if j["state"] in ALIVE]
+
+
+def job_info(job_id: str) -> dict | None:
+    """The job's state (also for a job that ended less than MinJobAge ago); None once SLURM forgot it."""
+    out = _slurm(["squeue", "--noheader", "--states=all", "--jobs", str(job_id), "--format", SQUEUE_FORMAT],
+                 check=False)
+    jobs = [j for j in _parse_squeue(out.stdout) if j["job_id"] == str(job_id)]
+    return jobs[0] if jobs else None
+
+
+def _scontrol_fields(kind: str, ident: str) -> dict:
+    out = _slurm(["scontrol", "--oneliner", "show", kind, str(ident)], check=False)
+    fields = {}
+    for token in out.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields.setdefault(key, value)
+    return fields
+
+
+def node_address(node: str) -> str:
+    """The address other nodes reach `node` at (NodeAddr; it can differ from the node's name)."""
+    return _scontrol_fields("node", node).get("NodeAddr") or node
+
+
+def _end_summary(job_id: str, info: dict | None) -> str:
+    fields = _scontrol_fields("job", job_id)
+    state = (info or {}).get("state") or fields.get("JobState") or "no longer known to SLURM"
+    details = [f"{k}={fields[k]}" for k in ("Reason", "ExitCode") if fields.get(k) not in (None, "None", "0:0")]
+    return state + (f" ({', '.join(details)})" if details else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Submitting
+
+
+def job_name(cfg: ServerConfig, workdir: str | Path | None = None) -> str:
+    """`eaglenest-server-<hash>`: the same workflow directory, model and port give the same name."""
+    workdir = Path(workdir or os.getcwd()).resolve()
+    key = f"{workdir}\n{cfg.model}\n{cfg.port}"
+    return JOB_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def server_config(cfg: ServerConfig) -> ServerConfig:
+    """The config the job serves with: listening on every interface, so other nodes reach it."""
+    return dataclasses.replace(cfg, host="0.0.0.0") if cfg.host in ("127.0.0.1", "localhost") else cfg
+
+
+def batch_script(cfg: ServerConfig) -> str:
+    """The job's script: vLLM's command line only (settings by sbatch options, secrets by environment)."""
+    cmd = shlex.join(vllm_command(server_config(cfg)))
+    return ("#!/bin/bash\n"
+            "# eaglenest generation server (server.mode: slurm). An API key, if any, comes by environment.\n"
+            f"echo \"=== $(date '+%F %T') SLURM job $SLURM_JOB_ID on $(hostname): \"{shlex.quote(cmd)}\n"
+            f"exec {cmd}\n")
+
+
+def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths,
+                   workdir: str | Path | None = None) -> list[str]:
+    """sbatch's argument list (the script goes on stdin)."""
+    workdir = Path(workdir or os.getcwd()).resolve()
+    gpus = cfg.tensor_parallel_size if settings.gpus is None else settings.gpus
+    args = ["sbatch", "--parsable", "--job-name", job_name(cfg, workdir),
+            "--output", str(paths.log_pattern.resolve()), "--open-mode=append", "--chdir", str(workdir),
+            "--export=ALL", "--nodes=1", "--ntasks=1", f"--cpus-per-task={settings.cpus}",
+            f"--time={settings.time}"]
+    if gpus:
+        args.append(f"--gres=gpu:{gpus}")
+    if settings.mem is not None:
+        args.append(f"--mem={settings.mem}")
+    if settings.partition:
+        args.append(f"--partition={settings.partition}")
+    if settings.account:
+        args.append(f"--account={settings.account}")
+    return args + [str(a) for a in settings.extra_sbatch_args]
+
+
+def settings_hash(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths,
+                  workdir: str | Path | None = None) -> str:
+    """What the job was submitted with (no secret in it): a job with another hash is not reused."""
+    what = [sbatch_command(cfg, settings, paths, workdir), batch_script(cfg), sorted(cfg.env.items())]
+    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:12]
+
+
+def read_record(paths: SlurmPaths) -> dict | None:
+    try:
+        return json.loads(paths.record.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _job_env(cfg: ServerConfig, api_key: str | None) -> dict:
+    # SLURM_* of an enclosing allocation would leak into the new job's settings.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({k: str(v) for k, v in cfg.env.items()})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the script
+    return env
+
+
+def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, paths: SlurmPaths, *,
+                  workdir: str | Path | None = None, workflow_pid: int | None = None,
+                  sentinel: str | Path | None = None, log=print) -> dict:
+    """Submit vLLM as a SLURM job, or reuse the pending/running job this workflow submitted before.
+
+    Returns the record (also written to paths.record): job_id, name, log, port, model, ...
+    `workflow_pid`: a watchdog cancels the job when that process dies (unless server.keep_server).
+    `sentinel` (server.ready) is removed whenever the job is cancelled."""
+    if not isinstance(settings, SlurmSettings):
+        settings = SlurmSettings.from_dict(settings)
+    workdir = Path(workdir or os.getcwd()).resolve()
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    api_key = cfg.api_key()
+    name, digest = job_name(cfg, workdir), settings_hash(cfg, settings, paths, workdir)
+    comment = f"eaglenest:{digest}"
+    record = read_record(paths)
+
+    job = None
+    for found in find_jobs(name):
+        if found["comment"] == comment and job is None:
+            job = found
+        else:
+            log(f"cancelling SLURM job {found['job_id']} ({name}): it was submitted with other settings")
+            _slurm(["scancel", found["job_id"]], check=False)
+    if job is not None:
+        log(f"reusing the server job this workflow submitted before: SLURM job {job['job_id']} ({job['state']})")
+        if not (record and record.get("job_id") == job["job_id"]):
+            stdout = _scontrol_fields("job", job["job_id"]).get("StdOut")
+            record = {"job_id": job["job_id"], "name": name, "comment": comment, "port": cfg.port,
+                      "model": cfg.model_id, "log": stdout or str(paths.log_pattern).replace("%j", job["job_id"]),
+                      "submitted_at": time.time(), "workdir": str(workdir)}
+        record.update(reused=True, keep=cfg.keep_server,
+                      sentinel=str(Path(sentinel).resolve()) if sentinel else record.get("sentinel"))
+    else:
+        args = sbatch_command(cfg, settings, paths, workdir)
+        args[1:1] = ["--comment", comment]
+        out = _slurm(args, input=batch_script(cfg), env=_job_env(cfg, api_key), check=False)
+        if out.returncode != 0:
+            why = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())
+            raise ServerError(f"sbatch refused the server job: {why}\n  sbatch call: {shlex.join(args)}\n"
+                              f"Check server.slurm (partition, account, time, cpus, mem, gpus, extra_sbatch_args)")
+        job_id = out.stdout.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise ServerError(f"sbatch answered {out.stdout.strip()!r}, not a job id")
+        record = {"job_id": job_id, "name": name, "comment": comment, "port": cfg.port, "model": cfg.model_id,
+                  "log": str(paths.log_pattern.resolve()).replace("%j", job_id), "submitted_at": time.time(),
+                  "workdir": str(workdir), "sbatch": args, "command": vllm_command(server_config(cfg)),
+                  "reused": False, "keep": cfg.keep_server,
+                  "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
+        log(f"submitted vLLM as SLURM job {job_id} ({name}); log: {record['log']}")
+    if workflow_pid and not cfg.keep_server and record.get("workflow_pid") != workflow_pid:
+        watchdog = subprocess.Popen(
+            [sys.executable, "-m", "eaglenest.slurm", "watch", "--workflow-pid", str(workflow_pid),
+             "--job-id", record["job_id"], "--log-dir", str(paths.log_dir.resolve())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        record.update(workflow_pid=workflow_pid, watchdog_pid=watchdog.pid)
+    _write_json_atomic(paths.record, record)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting
+
+
+def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
+    """Wait until the server job runs and serves the model; returns what server.ready holds.
+
+    Queue time is unbounded (reported every 30 s with SLURM's reason, and fatal when the reason says
+    the job can never start); `server.ready_timeout` counts from the moment the job runs. A job that
+    leaves the queue (FAILED, CANCELLED, TIMEOUT, ...) fails within one poll, with its log's tail."""
+    record = read_record(paths)
+    if record is None:
+        raise ServerError(f"no server job record at {paths.record}: submit the server first (submit_server)")
+    job_id, model, api_key = record["job_id"], cfg.model_id, cfg.api_key()
+    url, running_since, last_report, queued_s = record.get("url"), None, -REPORT_EVERY_S, 0.0
+    t0 = time.monotonic()
+    while True:
+        info = job_info(job_id)
+        if info is None or info["state"] not in ALIVE:
+            paths.record.unlink(missing_ok=True)
+            raise ServerError(f"the vLLM server job {job_id} ({record['name']}) ended before it served '{model}': "
+                              f"{_end_summary(job_id, info)}. Last lines of {record['log']}:\n"
+                              f"{log_tail(record['log'])}")
+        now = time.monotonic()
+        if info["state"] != "RUNNING":
+            if info["reason"] in NEVER_STARTS:
+                _slurm(["scancel", job_id], check=False)
+                paths.record.unlink(missing_ok=True)
+                raise ServerError(f"SLURM will never start the server job {job_id}: {info['reason']}. Fix "
+                                  f"server.slurm (partition, account, time, gpus, extra_sbatch_args) and rerun")
+            if now - last_report >= REPORT_EVERY_S:
+                why = f" ({info['reason']})" if info["reason"] not in ("", "None") else ""
+                log(f"SLURM job {job_id} is {info['state']}{why} after {now - t0:.0f} s")
+                last_report = now
+        else:
+            if running_since is None or info["node"] != record.get("node"):  # started, or requeued elsewhere
+                running_since, queued_s = now, now - t0
+                url = f"http://{node_address(info['node'])}:{record['port']}"
+                record.update(node=info["node"], url=url)
+                _write_json_atomic(paths.record, record)
+                log(f"SLURM job {job_id} runs on {info['node']}; waiting for {url}")
+            try:
+                served = probe(url, api_key, timeout=min(10.0, cfg.poll_interval + 5))
+            except (OSError, ValueError):
+                served = None
+            if served is not None:
+                if model not in served["models"]:
+                    raise ServerError(f"{url} serves {served['models']}, not '{model}': set server.served_model_name "
+                                      f"(or server.model) to the name the server reports")
+                break
+            if now - running_since > cfg.ready_timeout:
+                raise ServerError(f"{url} (SLURM job {job_id}) did not serve '{model}' within server.ready_timeout="
+                                  f"{cfg.ready_timeout:g} s of starting. Last lines of {record['log']}:\n"
+                                  f"{log_tail(record['log'])}")
+            if now - last_report >= REPORT_EVERY_S:
+                log(f"waiting for {url} ({now - running_since:.0f} s since SLURM job {job_id} started)")
+                last_report = now
+        time.sleep(cfg.poll_interval)
+    ready = {"mode": "slurm", "urls": [url], "model": model, "max_model_len": served["max_model_len"].get(model),
+             "version": served["version"], "seconds_to_ready": round(time.time() - record["submitted_at"], 1),
+             "seconds_queued": round(queued_s, 1), "ready_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "slurm_job_id": job_id, "node": record["node"], "log": record["log"]}
+    log(f"server ready: {url} (SLURM job {job_id} on {record['node']}) serves '{model}' "
+        f"after {ready['seconds_to_ready']} s")
+    return ready
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancelling
+
+
+def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=print) -> bool:
+    """scancel the server job this workflow submitted; True if it was still queued or running.
+
+    Waits up to `grace_s` for the job to leave RUNNING, so GPUs are free when this returns."""
+    record = read_record(paths)
+    if record is None:
+        return False
+    job_id = record["job_id"]
+    info = job_info(job_id)
+    was_alive = info is not None and info["state"] in ALIVE
+    if was_alive:
+        _slurm(["scancel", job_id], check=False)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            info = job_info(job_id)
+            if info is None or info["state"] not in ALIVE | {"COMPLETING"}:
+                break
+            time.sleep(0.5)
+        log(f"cancelled the server's SLURM job {job_id}")
+    if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
+        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+    paths.record.unlink(missing_ok=True)
+    if record.get("sentinel"):
+        Path(record["sentinel"]).unlink(missing_ok=True)
+    return was_alive
+
+
+def watch(workflow_pid: int, job_id: str, log_dir: Path, interval: float = 10.0) -> None:
+    """Cancel the job when the workflow process dies; return once the job has ended."""
+    paths = SlurmPaths(log_dir)
+    while True:
+        try:
+            info = job_info(job_id)
+        except ServerError:
+            info = {"state": "UNKNOWN"}  # slurmctld briefly unreachable: look again later
+        if info is None or info["state"] not in ALIVE | {"UNKNOWN"}:
+            return
+        if not _alive(workflow_pid):
+            record = read_record(paths)
+            if record and record["job_id"] == job_id:
+                cancel_server(paths, log=lambda *_: None)
+            else:
+                _slurm(["scancel", job_id], check=False)
+            return
+        time.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m eaglenest.slurm")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("watch", help="cancel the server job when the workflow process dies")
+    w.add_argument("--workflow-pid", type=int, required=True)
+    w.add_argument("--job-id", required=True)
+    w.add_argument("--log-dir", type=Path, required=True)
+    w.add_argument("--interval", type=float, default=10.0)
+    c = sub.add_parser("cancel", help="cancel the server job submitted by the workflow in this directory")
+    c.add_argument("--log-dir", type=Path, default=Path("logs/server"))
+    args = p.parse_args(argv)
+    if args.cmd == "watch":
+        watch(args.workflow_pid, args.job_id, args.log_dir, args.interval)
+    else:
+        print("cancelled" if cancel_server(SlurmPaths(args.log_dir)) else "no server job running")
+
+
+if __name__ == "__main__":
+    main()

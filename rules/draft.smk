@@ -1,0 +1,55 @@
+rule build_vocab:
+    input:
+        traces=expand("traces/shard_{i}.jsonl", i=SHARDS),
+        head="hidden/target_head.safetensors",
+    output:
+        "draft/vocab.safetensors",
+    params:
+        vocab_size=config["draft"]["vocab_size"],
+        use_truncated=config["hidden"]["use_truncated"],
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/build_vocab.log",
+    script:
+        "../scripts/build_vocab.py"
+
+
+rule train_draft:
+    input:
+        hidden=expand("hidden/shard_{i}.safetensors", i=SHARDS),
+        vocab="draft/vocab.safetensors",
+        head="hidden/target_head.safetensors",
+    output:
+        checkpoint="draft/checkpoint.safetensors",
+        metrics="draft/train_metrics.csv",
+    params:
+        train={k: v for k, v in config["train"].items() if k not in ("device", "gpus")},
+        norm_before_residual=config["draft"]["norm_before_residual"],
+        state_dir="draft/.train_state",
+    threads: all_cores()
+    resources:
+        gpu=gpus("train"),
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/train_draft.log",
+    benchmark:
+        "logs/benchmarks/train_draft.tsv"
+    script:
+        "../scripts/train_draft.py"
+
+
+rule export_draft:
+    input:
+        "draft/checkpoint.safetensors",
+    output:
+        directory("draft/checkpoint"),
+    params:
+        card={"dataset": config["dataset"]["path"], "target": target_model()},
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/export_draft.log",
+    script:
+        "../scripts/export_draft.py"

@@ -1,0 +1,12 @@
+"""Run the target over one trace shard's exact tokens and write its hidden-state shard."""
+from eaglenest.logs import to_log
+
+to_log(snakemake.log[0])
+
+from eaglenest.hidden import extract_hidden
+
+h = snakemake.params.hidden
+extract_hidden([snakemake.input.traces], snakemake.output[0], snakemake.params.target,
+               aux_layers=snakemake.params.aux_layers, max_length=h["max_length"], use_truncated=h["use_truncated"],
+               batch_tokens=snakemake.config["hidden"]["batch_tokens"], device=snakemake.config["hidden"]["device"],
+               dtype=h["dtype"])

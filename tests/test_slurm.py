@@ -1,0 +1,276 @@
+"""server.mode: slurm and profiles/slurm against the real one-node SLURM cluster of ci/slurm_up.sh.
+
+These tests fail (they do not skip) when no cluster answers: start it with `ci/slurm_up.sh` (root).
+The server tests submit a fake vLLM (a module `vllm.entrypoints.openai.api_server` put first on the
+job's PYTHONPATH: it answers /v1/models like vLLM, after a second); one test serves the real toy
+target when toy/target exists. Everything submitted is cancelled at the end."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from eaglenest.server import ServerConfig, ServerError, probe
+from eaglenest.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name, read_record,
+                             slurm_wait_ready, submit_server)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY_TARGET = ROOT / "toy" / "target"
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+KEY_ENV, KEY = "EAGLENEST_TEST_SLURM_KEY", "s3cret-slurm-key"
+
+FAKE_API_SERVER = '''
+"""A stand-in for vLLM's OpenAI server: /v1/models and /version, an API key from $VLLM_API_KEY."""
+import argparse, json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+p = argparse.ArgumentParser()
+for a in ("--model", "--host", "--port", "--served-model-name", "--max-model-len"):
+    p.add_argument(a)
+a, _ = p.parse_known_args()
+print(f"fake vllm: loading {a.model}", flush=True)
+if a.model == "FAIL":
+    print("fake vllm: RuntimeError: the model cannot be loaded", flush=True)
+    sys.exit(3)
+time.sleep(1.0)
+key, name = os.environ.get("VLLM_API_KEY"), a.served_model_name or a.model
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            self.send_response(401); self.end_headers(); return
+        body = {"/v1/models": {"object": "list", "data": [{"id": name, "max_model_len": 512}]},
+                "/version": {"version": "fake"}}.get(self.path)
+        if body is None:
+            self.send_response(404); self.end_headers(); return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+print(f"fake vllm: serving {name} on {a.host}:{a.port}, api key set: {key is not None}", flush=True)
+ThreadingHTTPServer((a.host, int(a.port)), Handler).serve_forever()
+'''
+
+
+def _run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The cluster must answer and have its node up; otherwise every test here fails with the reason."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        pytest.fail("SLURM's client tools are not installed: run `ci/slurm_up.sh` as root first")
+    out = _run(["sinfo", "--noheader", "--format", "%T"])
+    states = set(out.stdout.split())
+    if out.returncode != 0 or not states & {"idle", "mixed", "allocated", "completing"}:
+        pytest.fail(f"the SLURM cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}): "
+                    f"run `ci/slurm_up.sh` as root first")
+    submitted = []
+    yield submitted
+    for name in submitted:  # nothing this module submitted outlives it
+        _run(["scancel", "--me", "--name", name])
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    pkg = tmp_path / "fakevllm" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_API_SERVER)
+    return tmp_path / "fakevllm"
+
+
+def _server(tmp_path, fake_vllm, cluster, monkeypatch, **over):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    cfg = ServerConfig(mode="slurm", model=over.pop("model", "fake-target"), served_model_name="toy", port=free_port(),
+                       max_model_len=512, poll_interval=0.5, ready_timeout=60, api_key_env=KEY_ENV,
+                       env={"PYTHONPATH": str(fake_vllm)})
+    settings = SlurmSettings(**{"cpus": 1, "mem": "500M", "gpus": 0, "time": "10:00", **over})
+    cluster.append(job_name(cfg, tmp_path))
+    return cfg, settings, SlurmPaths(tmp_path / "logs" / "server")
+
+
+def _scontrol_job(job_id):
+    return _run(["scontrol", "--oneliner", "show", "job", job_id]).stdout
+
+
+def _wait_gone(job_id, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        if info is None or info["state"] not in ALIVE | {"COMPLETING"}:
+            return info
+        time.sleep(0.5)
+    pytest.fail(f"SLURM job {job_id} still {info['state']} {timeout} s after it was cancelled")
+
+
+def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster, monkeypatch):
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
+    sentinel = tmp_path / "server.ready"
+    first = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
+    job_id = first["job_id"]
+    shown = _scontrol_job(job_id)
+    assert f"JobId={job_id} " in shown and f"JobName={job_name(cfg, tmp_path)} " in shown
+    assert "NumCPUs=1 " in shown and "gpu" not in shown.lower()  # gpus: 0 asks for none
+
+    again = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
+    assert again["job_id"] == job_id and again["reused"]
+    assert len(_run(["squeue", "--me", "--noheader", "--name", first["name"]]).stdout.splitlines()) == 1
+
+    ready = slurm_wait_ready(cfg, paths, log=lambda m: None)
+    assert ready["slurm_job_id"] == job_id and ready["model"] == "toy" and ready["max_model_len"] == 512
+    assert ready["urls"] == [f"http://127.0.0.1:{cfg.port}"]  # the node's NodeAddr, not its name
+    assert "toy" in probe(ready["urls"][0], KEY)["models"]
+    sentinel.write_text(json.dumps(ready))
+
+    # The key reached vLLM by environment only: not in the batch script, the record or the log.
+    script = _run(["scontrol", "write", "batch_script", job_id, "-"]).stdout
+    assert "vllm.entrypoints.openai.api_server" in script and "--host 0.0.0.0" in script
+    log_text = Path(first["log"]).read_text()
+    assert "api key set: True" in log_text
+    for text in (script, log_text, paths.record.read_text(), shown):
+        assert KEY not in text
+
+    assert cancel_server(paths, log=lambda m: None)
+    assert _wait_gone(job_id) is None or job_info(job_id)["state"] == "CANCELLED"
+    assert not paths.record.exists() and not sentinel.exists()
+    assert not cancel_server(paths, log=lambda m: None)
+
+
+def test_changed_settings_replace_the_job(tmp_path, fake_vllm, cluster, monkeypatch):
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
+    old = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
+    cfg.max_model_len = 256
+    new = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
+    assert new != old
+    assert _wait_gone(old)["state"] == "CANCELLED"
+    assert job_info(new)["state"] in ALIVE
+    cancel_server(paths, log=lambda m: None)
+
+
+def test_job_that_fails_early_is_reported_with_its_log_tail(tmp_path, fake_vllm, cluster, monkeypatch):
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch, model="FAIL")
+    job_id = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        slurm_wait_ready(cfg, paths, log=lambda m: None)
+    assert time.monotonic() - t0 < 30
+    msg = str(e.value)
+    assert job_id in msg and "FAILED" in msg and "ExitCode=3:0" in msg
+    assert "RuntimeError: the model cannot be loaded" in msg
+    assert not paths.record.exists()
+
+
+def test_sbatch_refusal_names_the_settings(tmp_path, fake_vllm, cluster, monkeypatch):
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch, mem="100000G")
+    refused = r"sbatch refused the server job: .*not available\n.*--mem=100000G\nCheck server\.slurm"
+    with pytest.raises(ServerError, match=refused):
+        submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)
+    assert read_record(paths) is None
+
+
+def test_job_that_can_never_start_fails_at_once(tmp_path, fake_vllm, cluster, monkeypatch):
+    # More CPUs than the partition has: sbatch accepts it, SLURM keeps it pending for ever.
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch, cpus=4096)
+    job_id = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
+    with pytest.raises(ServerError, match=f"never start the server job {job_id}: PartitionConfig"):
+        slurm_wait_ready(cfg, paths, log=lambda m: None)
+    assert _wait_gone(job_id)["state"] == "CANCELLED"
+
+
+def test_watchdog_cancels_the_job_when_the_workflow_dies(tmp_path, fake_vllm, cluster, monkeypatch):
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
+    workflow = subprocess.Popen(["sleep", "600"])
+    try:
+        record = submit_server(cfg, settings, paths, workdir=tmp_path, workflow_pid=workflow.pid, log=lambda m: None)
+        assert record["watchdog_pid"]
+        # The watchdog's default look every 10 s is too slow for a test: run one that looks every second.
+        os.kill(record["watchdog_pid"], signal.SIGTERM)
+        watchdog = subprocess.Popen([sys.executable, "-m", "eaglenest.slurm", "watch", "--workflow-pid",
+                                     str(workflow.pid), "--job-id", record["job_id"], "--log-dir", str(paths.log_dir),
+                                     "--interval", "1"], cwd=ROOT)
+        time.sleep(2)
+        assert job_info(record["job_id"])["state"] in ALIVE
+    finally:
+        workflow.kill()
+        workflow.wait()
+    watchdog.wait(timeout=30)
+    assert _wait_gone(record["job_id"])["state"] == "CANCELLED"
+    assert not paths.record.exists()
+
+
+TWO_RULES = """
+rule all:
+    input: "b.txt"
+
+rule cpu_step:
+    output: "a.txt"
+    threads: 2
+    resources: gpu=0
+    shell: "echo job=$SLURM_JOB_ID cpus=$SLURM_CPUS_PER_TASK > {output}"
+
+rule next_step:
+    input: "a.txt"
+    output: "b.txt"
+    shell: "cat {input} > {output}; echo job=$SLURM_JOB_ID >> {output}"
+"""
+
+
+def test_profile_sends_rules_through_slurm(tmp_path, cluster):
+    (tmp_path / "Snakefile").write_text(TWO_RULES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    env["EAGLENEST_GPU_PARTITION"] = "no-such-partition"  # only rules named in set-resources go there
+    out = subprocess.run([SNAKEMAKE, "--profile", str(ROOT / "profiles" / "slurm"), "--verbose", "--retries", "0",
+                          "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "5"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-6000:]
+    submitted = [l for l in log.splitlines() if "has been submitted with SLURM jobid" in l]
+    assert len(submitted) == 2, log[-6000:]
+    calls = [l.split("--wrap")[0] for l in log.splitlines() if "sbatch call:" in l]
+    assert len(calls) == 2
+    for call in calls:  # no GPU asked for where rules declare none; time and memory from the profile
+        assert "--gpus" not in call and "--gres" not in call and "no-such-partition" not in call
+        assert "-t 60" in call and "--mem-per-cpu 4000" in call
+    assert any("--cpus-per-task=2" in c for c in calls)
+    lines = (tmp_path / "b.txt").read_text().split()
+    assert lines[0].startswith("job=") and lines[0] != "job=" and "cpus=2" in lines
+    assert lines[-1].startswith("job=") and lines[-1] != lines[0]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not (TOY_TARGET / "config.json").exists(),
+                    reason="toy/target is not built (python -m eaglenest.toy)")
+def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster):
+    cfg = ServerConfig(mode="slurm", model=str(TOY_TARGET), served_model_name="toy", port=free_port(),
+                       max_model_len=512, reasoning_parser="deepseek_r1", poll_interval=2, ready_timeout=240,
+                       # vLLM's CPU backend reserves this share of the NUMA node's memory (default 0.92)
+                       extra_args=["--gpu-memory-utilization", "0.3"])
+    settings = SlurmSettings(cpus=1, mem="4G", gpus=0, time="15:00")
+    paths = SlurmPaths(tmp_path / "logs" / "server")
+    cluster.append(job_name(cfg, tmp_path))
+    record = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)
+    try:
+        ready = slurm_wait_ready(cfg, paths, log=print)
+        assert ready["model"] == "toy" and ready["max_model_len"] == 512 and ready["version"]
+    finally:
+        cancel_server(paths, log=print)
+    assert _wait_gone(record["job_id"]) is None or job_info(record["job_id"])["state"] == "CANCELLED"
