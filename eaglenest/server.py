@@ -95,11 +95,15 @@ class ServerConfig:
 # HTTP probes
 
 
+# Probes go straight to the server, as the aiohttp client does: no proxies from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
     req = urllib.request.Request(url)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with _OPENER.open(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode())
 
 
@@ -113,8 +117,9 @@ def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
             raise ServerError(f"{url}/v1/models refused the API key (HTTP {e.code}): "
                               f"set server.api_key_env to the variable holding the right key") from e
         raise
-    models = [m.get("id") for m in listing.get("data", [])]
-    max_len = {m.get("id"): m.get("max_model_len") for m in listing.get("data", [])}
+    entries = (listing.get("data") if isinstance(listing, dict) else None) or []
+    models = [m.get("id") for m in entries]
+    max_len = {m.get("id"): m.get("max_model_len") for m in entries}
     version = None
     try:
         version = _get_json(f"{url}/version", api_key, timeout).get("version")

@@ -30,6 +30,8 @@ import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
+from .server import ServerError, probe
+
 import aiohttp
 from tqdm import tqdm
 
@@ -121,33 +123,25 @@ def check_server(url, api_key=None, model=None, timeout=5.0):
     `model`.
     """
     base = _base_url(url)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # like the aiohttp client: no env proxies
     try:
-        with opener.open(urllib.request.Request(base + "/v1/models", headers=headers), timeout=timeout) as r:
-            listing = json.loads(r.read())
+        info = probe(base, api_key, timeout)
+    except ServerError as e:  # the key was refused
+        raise TracesError(str(e)) from None
     except urllib.error.HTTPError as e:
-        hint = "check the API key" if e.code in (401, 403) else "is this an OpenAI-compatible server?"
-        raise TracesError(f"server at {base}: GET /v1/models answered HTTP {e.code}; {hint}") from None
+        raise TracesError(f"server at {base}: GET /v1/models answered HTTP {e.code}; "
+                          "is this an OpenAI-compatible server?") from None
     except (urllib.error.URLError, OSError) as e:
         reason = _describe_os_error(getattr(e, "reason", e))
         raise TracesError(f"server at {base} is not answering ({reason}); start it, or check the URL") from None
     except ValueError:
         raise TracesError(f"server at {base}: GET /v1/models did not return JSON; "
                           "is this an OpenAI-compatible server?") from None
-    entries = (listing.get("data") if isinstance(listing, dict) else None) or []
-    models = [m.get("id") for m in entries]
+    models = info["models"]
     if model is not None and model not in models:
         raise TracesError(_not_served(base, models, model))
-    chosen = next((m for m in entries if m.get("id") == model), entries[0] if entries else {})
-    version = None
-    try:
-        with opener.open(urllib.request.Request(base + "/version", headers=headers), timeout=timeout) as r:
-            version = json.loads(r.read()).get("version")
-    except (urllib.error.URLError, OSError, ValueError, AttributeError):
-        pass  # /version is vLLM's; other servers may lack it
-    return {"ok": True, "url": base, "models": models, "max_model_len": chosen.get("max_model_len"),
-            "version": version}
+    chosen = model if model is not None else (models[0] if models else None)
+    return {"ok": True, "url": base, "models": models, "max_model_len": info["max_model_len"].get(chosen),
+            "version": info["version"]}
 
 
 # ---------------------------------------------------------------------------------------------
