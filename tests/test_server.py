@@ -1,0 +1,125 @@
+"""Server lifecycle pieces that need no model: command line, GPU check, pidfile, stale sentinel."""
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from pathlib import Path
+
+from eaglenest.server import (LocalPaths, ServerConfig, ServerError, busy_gpus, check_sentinel, start_local,
+                              stop_local, vllm_command, wait_ready)
+
+
+TOY = Path(__file__).resolve().parent.parent / "toy" / "target"
+
+
+def test_command_carries_settings_but_no_secret(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    cfg = ServerConfig(model="m", served_model_name="toy", port=8123, tensor_parallel_size=8, max_model_len=4096,
+                       reasoning_parser="kimi_k2", extra_args=["--enable-prefix-caching"], api_key_env="MY_KEY")
+    cmd = vllm_command(cfg)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for a, b in [("--model", "m"), ("--port", "8123"), ("--tensor-parallel-size", "8"), ("--max-model-len", "4096"),
+                 ("--reasoning-parser", "kimi_k2"), ("--served-model-name", "toy"), ("--host", "127.0.0.1")]:
+        assert cmd[cmd.index(a) + 1] == b
+    assert "--enable-prefix-caching" in cmd
+    assert "s3cret" not in " ".join(cmd)
+
+
+def test_missing_api_key_variable_is_named(monkeypatch):
+    monkeypatch.delenv("NOPE_KEY", raising=False)
+    with pytest.raises(ServerError, match="NOPE_KEY"):
+        ServerConfig(api_key_env="NOPE_KEY").api_key()
+
+
+def test_external_mode_needs_urls():
+    with pytest.raises(ServerError, match="server.urls"):
+        ServerConfig(mode="external").base_urls()
+
+
+FAKE_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=index,uuid,memory.used,memory.total) printf '0, GPU-a, 3, 81559\\n1, GPU-b, 70123, 81559\\n';;
+  --query-compute-apps=gpu_uuid,pid,process_name,used_memory) printf 'GPU-b, 4242, python3, 70100\\n';;
+  *) printf '0, 3\\n1, 70123\\n';;
+esac
+"""
+
+
+def test_busy_gpus_lists_memory_and_processes(tmp_path, monkeypatch):
+    # nvidia-smi's CSV output as the driver prints it; there is no GPU on the test machine.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert busy_gpus([0]) == []
+    busy = busy_gpus([0, 1])
+    assert len(busy) == 1 and "GPU 1" in busy[0] and "pid 4242 python3" in busy[0]
+    cfg = ServerConfig(model="m", tensor_parallel_size=2, port=1)
+    with pytest.raises(ServerError, match="GPU 1: 70123/81559 MiB in use by pid 4242"):
+        start_local(cfg, LocalPaths(tmp_path / "logs"), log=lambda *_: None)
+
+
+def test_stale_sentinel_says_what_to_run(tmp_path):
+    sentinel = tmp_path / "server.ready"
+    sentinel.write_text(json.dumps({"urls": ["http://127.0.0.1:9"], "model": "toy"}))
+    with pytest.raises(ServerError, match=r"stale.*rm .*server.ready"):
+        check_sentinel(sentinel)
+
+
+def test_port_held_by_a_stranger_is_refused(tmp_path):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        with pytest.raises(ServerError, match=f"port {port}.*in use"):
+            start_local(ServerConfig(model="m", port=port), LocalPaths(tmp_path), log=lambda *_: None)
+    finally:
+        s.close()
+
+
+def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
+    # A real vLLM launch with a model path that does not exist: vLLM exits during start-up.
+    cfg = ServerConfig(model=str(tmp_path / "no-such-model"), port=_free_port(), poll_interval=1, ready_timeout=300)
+    paths = LocalPaths(tmp_path / "logs")
+    start_local(cfg, paths, log=lambda *_: None)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        wait_ready(cfg, paths, log=lambda *_: None)
+    assert "exited before it was ready" in str(e.value)
+    assert "no-such-model" in str(e.value)  # the log tail names the problem
+    assert time.monotonic() - t0 < 120
+    assert not paths.pidfile.exists()
+
+
+def test_watchdog_stops_server_when_workflow_dies(tmp_path):
+    # The "workflow" is a short-lived process; the "server" is a real vLLM launch that is still loading.
+    workflow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    cfg = ServerConfig(model=str(TOY), port=_free_port(), max_model_len=512)
+    paths = LocalPaths(tmp_path / "logs")
+    record = start_local(cfg, paths, workflow_pid=workflow.pid, log=lambda *_: None)
+    workflow.wait()
+    assert _alive(record["pid"]), "vLLM should still be loading when the workflow dies"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(record["pid"]):
+        time.sleep(0.5)
+    assert not _alive(record["pid"])
+    assert not paths.pidfile.exists()
+    stop_local(paths)
+
+
+def _alive(pid):
+    from eaglenest.server import _alive as alive
+    return alive(pid)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,196 @@
+"""End to end against a real vLLM serving the toy target: prompts -> server -> traces, with faults.
+
+Each test starts real vLLM servers (about a minute each on 2 cores)."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import TOY_TARGET, run_snakemake, snakemake_cmd, write_config
+from eaglenest.server import LocalPaths, _alive, read_pidfile, stop_local
+
+pytestmark = pytest.mark.vllm
+TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
+
+
+def _lines(path):
+    return [json.loads(l) for l in Path(path).read_text().splitlines()]
+
+
+def _prompt_ids(wd, shards):
+    return sorted(r["id"] for i in range(shards) for r in _lines(wd / f"data/prompts/shard_{i}.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("wf")
+    cfg = write_config(wd)
+    t0 = time.monotonic()
+    run_snakemake(wd, "server.stopped")
+    return wd, cfg, time.monotonic() - t0
+
+
+def test_traces_hold_reasoning_content_and_exact_tokens(traced):
+    wd, cfg, _ = traced
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    records = [r for p in TRACES for r in _lines(wd / p)]
+    assert sorted(r["id"] for r in records) == _prompt_ids(wd, 2)
+    assert len(records) == 48
+    for r in records:
+        assert r["reasoning"] and r["content"], r
+        assert r["prompt_token_ids"] and r["completion_token_ids"]
+        # Token-exact: the prompt ids are the chat template's, the completion decodes to the answer.
+        assert r["prompt_token_ids"] == tok.apply_chat_template(r["messages"], add_generation_prompt=True,
+                                                                tokenize=True, return_dict=False)
+        text = tok.decode(r["completion_token_ids"], skip_special_tokens=True)
+        assert r["reasoning"].strip() in text and r["content"].strip() in text
+        assert r["finish_reason"] in ("stop", "length") and r["truncated"] == (r["finish_reason"] == "length")
+        assert r["server"].endswith(str(cfg["server"]["port"]))
+    stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
+    assert stats["requests"] == len(_lines(wd / TRACES[0])) and stats["errors"] == 0
+
+
+def test_server_is_stopped_and_sentinel_gone_after_the_run(traced):
+    wd, cfg, _ = traced
+    assert not (wd / "server.ready").exists()
+    assert read_pidfile(LocalPaths(wd / "logs/server")) is None
+    ready_log = (wd / "logs/server_ready.log").read_text()
+    assert "server ready" in ready_log
+    import socket
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", cfg["server"]["port"])) != 0
+
+
+def test_rerun_after_success_does_nothing(traced):
+    wd, _, _ = traced
+    out = run_snakemake(wd, "server.stopped", "-n")
+    assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def _planned_jobs(out):
+    """Rule names in the last 'Job stats' table of a dry run."""
+    import re
+    text = out.stdout + out.stderr
+    if "Job stats:" not in text:
+        return set()
+    table = text.rsplit("Job stats:", 1)[1].split("total")[0]
+    return set(re.findall(r"^(\w+)\s+\d+\s*$", table, re.M))
+
+
+def test_changing_max_tokens_reruns_only_traces(traced):
+    wd, cfg, _ = traced
+    (wd / "other.yaml").write_text(json.dumps({"generation": {**cfg["generation"], "max_tokens": 128}}))
+    out = run_snakemake(wd, "server.stopped", "-n", "--configfile", str(wd / "config.yaml"), str(wd / "other.yaml"))
+    assert _planned_jobs(out) == {"server_ready", "generate_traces", "stop_server"}
+
+
+def test_changing_concurrency_reruns_nothing(traced):
+    wd, cfg, _ = traced
+    (wd / "other.yaml").write_text(json.dumps({"generation": {**cfg["generation"], "concurrency": 3}}))
+    out = run_snakemake(wd, "server.stopped", "-n", "--configfile", str(wd / "config.yaml"), str(wd / "other.yaml"))
+    assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def test_changing_limit_reruns_prompts_and_traces(traced):
+    wd, cfg, _ = traced
+    (wd / "other.yaml").write_text(json.dumps({"dataset": {**cfg["dataset"], "limit": 60}}))
+    out = run_snakemake(wd, "server.stopped", "-n", "--configfile", str(wd / "config.yaml"), str(wd / "other.yaml"))
+    assert _planned_jobs(out) == {"prepare_prompts", "server_ready", "generate_traces", "stop_server"}
+
+
+def _start(wd, *args):
+    return subprocess.Popen(snakemake_cmd(wd, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_partial(wd, n, proc, timeout=600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parts = list((wd / "traces/partial").glob("shard_0*.jsonl")) if (wd / "traces/partial").exists() else []
+        if parts and parts[0].read_text().count("\n") >= n:
+            return parts[0]
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    pytest.fail("no partial records appeared")
+
+
+def _script_pids(name):
+    out = subprocess.run(["pgrep", "-f", name], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _finished_before(partial):
+    return [l for l in partial.read_text().split("\n")[:-1] if l.strip()]
+
+
+def _assert_complete(wd, before_lines):
+    final = (wd / "traces/shard_0.jsonl").read_text().splitlines()
+    ids = [json.loads(l)["id"] for l in final]
+    assert sorted(ids) == _prompt_ids(wd, 1), "every prompt answered exactly once"
+    by_id = {json.loads(l)["id"]: json.loads(l) for l in final}
+    for line in before_lines:
+        rec = json.loads(line)
+        assert by_id[rec["id"]] == rec, "a record finished before the crash is kept as it was"
+
+
+def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    wd = tmp_path / "kill"
+    cfg = write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, server={"keep_server": True},
+                       generation={"concurrency": 4})
+    try:
+        proc = _start(wd, "traces/shard_0.jsonl")
+        partial = _wait_partial(wd, 20, proc)
+        server_pid = read_pidfile(LocalPaths(wd / "logs/server"))["pid"]
+        for pid in _script_pids("generate_traces.py"):
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+        before = _finished_before(partial)
+        assert 20 <= len(before) < 300
+        assert not (wd / "traces/shard_0.jsonl").exists()
+        run_snakemake(wd, "traces/shard_0.jsonl")
+        # keep_server: the rerun used the server that was still up instead of starting another.
+        assert read_pidfile(LocalPaths(wd / "logs/server"))["pid"] == server_pid
+        assert (wd / "logs/server/vllm.log").read_text().count("=== ") == 1
+        _assert_complete(wd, before)
+        stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
+        assert stats["resumed"] == len(before)
+    finally:
+        stop_local(LocalPaths(wd / "logs/server"))
+
+
+def test_server_death_mid_shard_fails_clearly_and_rerun_completes(tmp_path):
+    wd = tmp_path / "dies"
+    write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4, "max_retries": 2})
+    try:
+        proc = _start(wd, "traces/shard_0.jsonl")
+        partial = _wait_partial(wd, 20, proc)
+        record = read_pidfile(LocalPaths(wd / "logs/server"))
+        os.killpg(record["pgid"], signal.SIGKILL)
+        assert proc.wait(timeout=600) != 0
+        log = (wd / "logs/generate_traces/shard_0.log").read_text()
+        assert "stopped answering" in log or "connection" in log.lower(), log[-2000:]
+        before = _finished_before(partial)
+        assert len(before) >= 20
+        run_snakemake(wd, "traces/shard_0.jsonl")
+        _assert_complete(wd, before)
+    finally:
+        stop_local(LocalPaths(wd / "logs/server"))
+
+
+def test_server_that_never_becomes_ready_fails_within_timeout_with_log_tail(tmp_path):
+    wd = tmp_path / "slow"
+    write_config(wd, server={"ready_timeout": 5})
+    t0 = time.monotonic()
+    out = run_snakemake(wd, "traces/shard_0.jsonl", check=False, timeout=300)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 90
+    log = (wd / "logs/server_ready.log").read_text()
+    assert "did not serve 'toy' within server.ready_timeout=5 s" in log
+    assert "Last lines of" in log
+    record = read_pidfile(LocalPaths(wd / "logs/server"))
+    assert record is None, "the server that never became ready was stopped"
