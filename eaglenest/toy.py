@@ -59,15 +59,15 @@ def build_tokenizer(out_dir=None):
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_START, THINK_END)])
+    core.add_tokens([AddedToken(t, special=False, normalized=False)
+                     for t in (THINK_START, THINK_END)])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        extra_special_tokens={"system_token": "<|system|>", "user_token": "<|user|>",
-                              "assistant_token": "<|assistant|>"},
+        extra_special_tokens=ROLE_MARKERS,
         chat_template=CHAT_TEMPLATE,
         model_max_length=512,
         clean_up_tokenization_spaces=False,
@@ -117,11 +117,6 @@ SYSTEM_PROMPTS = ["You are a careful calculator.", "Think step by step.",
                   "You are a helpful assistant.", "Answer with the exact number."]
 
 
-def _operand(rng: random.Random, lo_digits: int, hi_digits: int) -> int:
-    n = rng.randint(lo_digits, hi_digits)
-    return rng.randint(10 ** (n - 1), 10**n - 1)
-
-
 def _steps(op: str, x: int, y: int) -> list[str]:
     """Per-digit steps, least significant first; carries and borrows are written as numbers, not
     words, so that steps differ from each other (a repeated word in every step lowers the
@@ -148,20 +143,20 @@ def _steps(op: str, x: int, y: int) -> list[str]:
 
 
 def make_sample(rng: random.Random) -> dict:
-    """One arithmetic question with its per-digit reasoning and its final answer."""
+    """One arithmetic question with its reasoning (the operands restated, then per-digit steps)
+    and its final answer."""
+    # Three-digit operands: with a fixed width each digit sits at a fixed offset, which the model
+    # learns within the step budget (measured at 600 steps: 2-4 digit operands 16% exact, 60% here).
     op = rng.choice("+-*")
-    if op == "*":
-        x, y = _operand(rng, 2, 4), rng.randint(2, 9)
-    else:
-        x, y = _operand(rng, 2, 4), _operand(rng, 2, 4)
-        if op == "-" and x < y:
-            x, y = y, x
-        elif op == "+" and len(str(x)) < len(str(y)):
-            x, y = y, x  # the longer operand leads, so the steps walk over its digits
+    x, y = rng.randint(100, 999), (rng.randint(2, 9) if op == "*" else rng.randint(100, 999))
+    if op == "-" and x < y:
+        x, y = y, x
     result = {"+": x + y, "-": x - y, "*": x * y}[op]
+    # The reasoning restates the operands before the steps that read them: learned faster (85% vs
+    # 68% exact after 1000 steps) and it brings completions to about 47 tokens.
     return {
         "question": rng.choice(PHRASINGS[op]).format(x=x, y=y),
-        "reasoning": "\n".join(_steps(op, x, y)),
+        "reasoning": "\n".join([f"{x}{op}{y}", *_steps(op, x, y)]),
         "answer": f"{x} {op} {y} = {result}",
     }
 
@@ -213,37 +208,46 @@ def model_config(tok):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4,  # head_dim 32: vLLM's CPU attention has it
         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, dtype="float32",  # float32 keeps greedy decoding stable on CPU
+        pad_token_id=tok.pad_token_id,
+        # float32: greedy decoding stays stable, and vLLM with --dtype float32 reproduces
+        # transformers' greedy tokens exactly (its default downcasts to bfloat16)
+        dtype="float32",
     )
 
 
-def _batch(tok, rng: random.Random, size: int):
-    """Right-padded input ids [B, T] and labels [B, T] (-100 on prompt and padding)."""
+def _batches(tok, rng: random.Random, batch_size: int, pool: int = 8):
+    """Endless training batches: right-padded input ids [B, T] and labels [B, T] (-100 on prompt
+    and padding). Samples are drawn pool batches at a time and grouped by length, which cuts the
+    padding (and so the CPU time per step) by about a third."""
     import torch
 
-    prompts, completions = [], []
-    for _ in range(size):
-        s = make_sample(rng)
-        system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.2 else None
-        prompts.append(render_prompt(s["question"], system))
-        completions.append(completion_text(s) + EOS)
-    p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
-    c_ids = tok(completions, add_special_tokens=False)["input_ids"]
-    width = max(len(p) + len(c) for p, c in zip(p_ids, c_ids))
-    ids = torch.full((size, width), tok.pad_token_id)
-    labels = torch.full((size, width), -100)
-    for i, (p, c) in enumerate(zip(p_ids, c_ids)):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)  # loss only where the model answers
-    return ids, labels
+    while True:
+        rows = []
+        for _ in range(batch_size * pool):
+            s = make_sample(rng)
+            system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.1 else None
+            rows.append((render_prompt(s["question"], system), completion_text(s) + EOS))
+        p_ids = tok([p for p, _ in rows], add_special_tokens=False)["input_ids"]
+        c_ids = tok([c for _, c in rows], add_special_tokens=False)["input_ids"]
+        pairs = sorted(zip(p_ids, c_ids), key=lambda pc: len(pc[0]) + len(pc[1]))
+        chunks = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            width = max(len(p) + len(c) for p, c in chunk)
+            ids = torch.full((len(chunk), width), tok.pad_token_id)
+            labels = torch.full((len(chunk), width), -100)
+            for i, (p, c) in enumerate(chunk):
+                ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+                labels[i, len(p):len(p) + len(c)] = torch.tensor(c)  # loss where the model answers
+            yield ids, labels
 
 
-def build_target(out_dir, seed: int = 0, steps: int = 600, batch_size: int = 64, lr: float = 3e-3,
-                 log_every: int = 50, log=print) -> dict:
+def build_target(out_dir, seed: int = 0, steps: int = 750, batch_size: int = 64,
+                 lr: float = 1.25e-3, log_every: int = 50, log=print) -> dict:
     """Train the toy target from seed and save model, tokenizer and chat template to out_dir.
     Returns a summary (params, steps, seconds, final loss)."""
     import torch
@@ -267,9 +271,12 @@ def build_target(out_dir, seed: int = 0, steps: int = 600, batch_size: int = 64,
     rng = random.Random(f"eaglenest-toy-train-{seed}")
     t0, loss_avg = time.time(), None
     model.train()
+    batches = _batches(tok, rng, batch_size)
     for step in range(1, steps + 1):
-        ids, labels = _batch(tok, rng, batch_size)
-        loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id), labels=labels).loss
+        ids, labels = next(batches)
+        # No attention mask: padding is on the right, so causal attention never lets a real token
+        # see it, and its positions carry no loss.
+        loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -297,7 +304,7 @@ def greedy_completions(model, tok, questions: Sequence[str], max_new_tokens: int
     """Greedy completion token ids per question (up to and including eos), via the chat template."""
     import torch
 
-    out = []
+    out, side = [], tok.padding_side
     tok.padding_side = "left"  # generation continues from the right edge
     for i in range(0, len(questions), batch_size):
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -310,6 +317,7 @@ def greedy_completions(model, tok, questions: Sequence[str], max_new_tokens: int
         for row in gen[:, enc["input_ids"].shape[1]:].tolist():
             # generate pads finished rows; keep tokens up to the first eos
             out.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    tok.padding_side = side
     return out
 
 
@@ -346,7 +354,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="toy/target", help="model directory to write")
     ap.add_argument("--prompts", default="toy/prompts.jsonl", help="prompts file to write")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=750)
     ap.add_argument("--n-prompts", type=int, default=2000)
     ap.add_argument("--n-eval", type=int, default=200, help="shipped prompts to evaluate on")
     args = ap.parse_args(argv)

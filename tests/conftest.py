@@ -17,7 +17,8 @@ BASE_CONFIG = {
     "dataset": {"path": str(TOY_PROMPTS), "limit": 48, "heldout": 8},
     "shards": 2,
     "server": {"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy", "max_model_len": 512,
-               "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1, "poll_interval": 1, "ready_timeout": 600},
+               "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600},
+    "draft": {"aux_layers": [1, 2, 3]},
     "generation": {"max_tokens": 256, "concurrency": 16, "request_timeout": 300, "max_retries": 3},
 }
 

@@ -257,8 +257,6 @@ def test_profile_sends_rules_through_slurm(tmp_path, cluster):
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not (TOY_TARGET / "config.json").exists(),
-                    reason="toy/target is not built (python -m eaglenest.toy)")
 def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster):
     cfg = ServerConfig(mode="slurm", model=str(TOY_TARGET), served_model_name="toy", port=free_port(),
                        max_model_len=512, reasoning_parser="deepseek_r1", poll_interval=2, ready_timeout=240,
