@@ -1,0 +1,156 @@
+"""extract_hidden: the vLLM layer-id convention, the loss mask, truncation, the shard format, disk refusal."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from eaglenest import hidden
+from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden, load_target_head, save_target_head
+from eaglenest.layers import check_aux_layers, default_aux_layers
+
+VOCAB, HIDDEN, LAYERS = 100, 64, 4
+
+
+def tiny_target(path, seed=0):
+    """A randomly initialised 4-layer Llama (hidden 64, vocab 100) saved to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def fake_traces(path, n=12, seed=0, truncated_every=4):
+    """Trace records with random token ids; every ``truncated_every``-th one is truncated."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))]
+            # skewed so that some tokens are frequent: the draft vocabulary then means something
+            completion = [min(VOCAB - 1, int(rng.expovariate(0.08))) for _ in range(rng.randint(5, 30))]
+            rec = {
+                "id": f"q{i}", "source": "test", "messages": [], "reasoning": "", "content": "",
+                "finish_reason": "length" if i % truncated_every == 1 else "stop",
+                "truncated": i % truncated_every == 1, "prompt_token_ids": prompt,
+                "completion_token_ids": completion, "usage": {}, "latency_s": 0.0, "server": "test",
+            }
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def read_records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target(tmp_path_factory.mktemp("target"))
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(32) == (2, 16, 29)  # vLLM's (2, N//2, N-3)
+    assert default_aux_layers(61) == (2, 30, 58)
+    assert default_aux_layers(4) == (1, 2, 3)  # vLLM's would be (2, 2, 1): collides
+    assert check_aux_layers([3, 0, 2], 4) == (0, 2, 3)
+    with pytest.raises(ValueError, match="out of range"):
+        check_aux_layers([1, 2, 4], 4)  # id N is post-norm in transformers: refused
+    with pytest.raises(ValueError, match="distinct"):
+        check_aux_layers([1, 1, 2], 4)
+
+
+@pytest.mark.parametrize("aux_layers", [None, (0, 2, 3)])
+def test_aux_layers_are_transformers_hidden_states_at_vllm_ids(target, tmp_path, aux_layers):
+    from transformers import AutoModelForCausalLM
+
+    traces = fake_traces(tmp_path / "shard_0.jsonl")
+    out = tmp_path / "hidden" / "shard_0.safetensors"
+    stats = extract_hidden([traces], out, target, aux_layers=aux_layers, dtype="float32", batch_tokens=64, progress=False)
+    ids_expected = list(aux_layers or default_aux_layers(LAYERS))
+    assert stats["aux_layers"] == ids_expected
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    shards = HiddenShards(out)
+    assert shards.aux_layers == ids_expected and len(shards) == stats["sequences"] == 12
+    for k in range(len(shards)):
+        seq = shards[k]
+        with torch.no_grad():
+            ref = model(seq["input_ids"][None], output_hidden_states=True)
+        aux = seq["aux_hidden"].float().view(len(seq["input_ids"]), 3, HIDDEN)
+        for block, vllm_id in enumerate(ids_expected):
+            got = aux[:, block]
+            # vLLM id i == transformers output_hidden_states[i] (index 0 = embeddings), bf16-rounded
+            torch.testing.assert_close(got, ref.hidden_states[vllm_id][0], atol=2e-2, rtol=1e-2)
+            for other in {vllm_id - 1, vllm_id + 1} & set(range(LAYERS + 1)):
+                assert not torch.allclose(got, ref.hidden_states[other][0], atol=2e-2, rtol=1e-2)
+        # last_hidden is post-norm: lm_head(last_hidden) are the target's logits
+        torch.testing.assert_close(seq["last_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
+        logits = seq["last_hidden"].float() @ model.lm_head.weight.T
+        assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
+
+
+def test_loss_mask_truncation_and_order(target, tmp_path):
+    traces = fake_traces(tmp_path / "t.jsonl", n=16)
+    records = read_records(traces)
+    out = tmp_path / "shard.safetensors"
+    max_length = 20
+    stats = extract_hidden(traces, out, target, max_length=max_length, use_truncated=False, progress=False)
+    kept = [r for r in records if not r["truncated"] and len(r["prompt_token_ids"]) < max_length]
+    assert stats["skipped_truncated"] == sum(r["truncated"] for r in records) == 4
+    shards = HiddenShards(out)
+    assert len(shards) == len(kept)
+    for k, rec in enumerate(kept):  # the shard keeps the trace order
+        seq = shards[k]
+        tokens = (rec["prompt_token_ids"] + rec["completion_token_ids"])[:max_length]
+        assert seq["input_ids"].tolist() == tokens  # exactly the trace's ids, cut at max_length
+        n_prompt = len(rec["prompt_token_ids"])
+        assert seq["loss_mask"].tolist() == [i >= n_prompt for i in range(len(tokens))]
+    assert stats["cut_at_max_length"] == sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) > max_length for r in kept)
+    assert stats["tokens"] == sum(shards.length(k) for k in range(len(shards)))
+    assert stats["loss_tokens"] == sum(int(shards[k]["loss_mask"].sum()) for k in range(len(shards)))
+
+
+def test_shard_is_plain_safetensors_of_the_estimated_size(target, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "shard.safetensors"
+    stats = extract_hidden(fake_traces(tmp_path / "t.jsonl"), out, target, progress=False)
+    tensors = load_file(str(out))  # full validation by the reference reader
+    T = stats["tokens"]
+    assert tensors["aux_hidden"].shape == (T, 3 * HIDDEN) and tensors["aux_hidden"].dtype == torch.bfloat16
+    assert tensors["last_hidden"].shape == (T, HIDDEN) and tensors["input_ids"].dtype == torch.int64
+    assert tensors["loss_mask"].dtype == torch.bool and tensors["seq_offsets"][-1] == T
+    assert 0 <= hidden.estimate_bytes(T, stats["sequences"], HIDDEN) - stats["bytes"] <= 4096
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_refuses_when_disk_is_short(target, tmp_path, monkeypatch):
+    traces = fake_traces(tmp_path / "t.jsonl")
+    usage = type("Usage", (), {"free": 1000, "total": 10**9, "used": 0})
+    monkeypatch.setattr(hidden.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(hidden, "load_target", lambda *a, **k: pytest.fail("loaded the target before checking the disk"))
+    out = tmp_path / "hidden" / "shard_0.safetensors"
+    with pytest.raises(DiskSpaceError) as err:
+        extract_hidden(traces, out, target, progress=False)
+    message = str(err.value)
+    assert str(out) in message and "1,000 bytes" in message and "needs" in message
+    assert not out.exists()
+
+
+def test_target_head_saved_once_from_the_checkpoint(target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    head_path = tmp_path / "target_head.safetensors"
+    info = save_target_head(target, head_path, aux_layers=[0, 1, 3])
+    tensors, saved = load_target_head(head_path)
+    assert saved == json.loads(json.dumps(info)) and saved["aux_layers"] == [0, 1, 3]
+    assert saved["hidden_size"] == HIDDEN and saved["vocab_size"] == VOCAB and saved["num_hidden_layers"] == LAYERS
+    assert saved["last_hidden"] == "post_norm" and saved["rope_parameters"]["rope_theta"] == 5000.0
+    model = AutoModelForCausalLM.from_pretrained(target)
+    assert torch.equal(tensors["embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert torch.equal(tensors["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(tensors["norm.weight"], model.model.norm.weight)

@@ -1,0 +1,147 @@
+"""The draft model: vLLM's tensor names and shapes, TTT causality, TTT == vLLM's step-by-step drafting, the loss mask."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglenest.export import tensor_shapes
+from eaglenest.model import DraftConfig, Eagle3Draft, soft_cross_entropy, ttt_loss
+from eaglenest.vocab import maps_from_ids
+
+V, VD, H, J = 50, 20, 32, 4
+
+
+def make_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = DraftConfig(
+        hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        **overrides,
+    )
+    model = Eagle3Draft(cfg)
+    for p in model.parameters():  # norms away from 1 so that every weight matters
+        torch.nn.init.normal_(p, std=0.3 if p.dim() == 1 else 0.2)
+    d2t, t2d = maps_from_ids(torch.arange(0, 2 * VD, 2), V)
+    model.set_target(torch.randn(V, H), d2t, t2d)
+    return model.eval()
+
+
+def inputs(B=2, T=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, 3 * H, generator=g)
+
+
+def test_state_dict_is_vllms_tensors():
+    model = make_model()
+    shapes = tensor_shapes(model.config)
+    state = model.state_dict()
+    assert set(state) == set(shapes)  # no embed_tokens: vLLM shares the target's
+    assert {k: tuple(v.shape) for k, v in state.items()} == shapes
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    outs = model(*inputs(), ttt_length=J)
+    assert len(outs) == J and all(o.shape == (2, 12, H) for o in outs)
+
+
+def test_hidden_size_must_match_the_shared_embedding():
+    with pytest.raises(ValueError, match="shares the target's token embedding"):
+        DraftConfig(
+            hidden_size=16, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+            vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
+        )
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_never_sees_the_future(norm_before_residual):
+    model = make_model(norm_before_residual=norm_before_residual)
+    ids, aux = inputs(T=14)
+    with torch.no_grad():
+        ref = [model.lm_head(o) for o in model(ids, aux, ttt_length=J)]
+        for cut in (3, 8):
+            for j in range(J):
+                # step j at base t reads aux up to t and tokens up to t+1+j: change everything later
+                ids2, aux2 = ids.clone(), aux.clone()
+                ids2[:, cut + 2 + j :] = (ids2[:, cut + 2 + j :] + 7) % V
+                aux2[:, cut + 1 :] += torch.randn_like(aux2[:, cut + 1 :])
+                out = model.lm_head(model(ids2, aux2, ttt_length=J)[j])
+                torch.testing.assert_close(out[:, : cut + 1], ref[j][:, : cut + 1], rtol=0, atol=1e-5)
+                assert not torch.allclose(out[:, cut + 1 :], ref[j][:, cut + 1 :])
+                # ... and the token it is given does matter
+                ids3 = ids.clone()
+                ids3[:, cut + 1 + j] = (ids3[:, cut + 1 + j] + 7) % V
+                assert not torch.allclose(model.lm_head(model(ids3, aux, ttt_length=J)[j])[:, cut], ref[j][:, cut])
+
+
+def vllm_style_drafts(model, ids, aux, t, steps):
+    """What vLLM computes when it drafts after target position t: one pass over the prefix with the
+    target's features (rope positions 0..t), then one token at a time, each attending to the prefix's
+    keys and its own chain, at rope position t+i, fed the previous step's pre-norm output."""
+    B = ids.shape[0]
+    embed = lambda tok: F.embedding(tok, model.embed_weight)
+    pos = torch.arange(t + 1)[None]
+    hidden = model.fc(aux[:, : t + 1])
+    cos, sin = model.rotary_emb(hidden, pos)
+    causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
+    out, kv = model.midlayer(embed(ids[:, 1 : t + 2]), hidden, cos, sin, [], causal)
+    past, hidden, outs = [kv], out[:, t : t + 1], [model.norm(out[:, t])]
+    for i in range(1, steps):
+        cos, sin = model.rotary_emb(hidden, torch.tensor([[t + i]]))
+        mask = torch.ones(1, t + 1 + i, dtype=torch.bool)
+        out, kv = model.midlayer(embed(ids[:, t + 1 + i : t + 2 + i]), hidden, cos, sin, past, mask)
+        past.append(kv)
+        hidden = out
+        outs.append(model.norm(out[:, 0]))
+    return outs
+
+
+def test_ttt_equals_vllm_step_by_step_drafting():
+    model = make_model()
+    ids, aux = inputs(T=16)
+    with torch.no_grad():
+        ttt = model(ids, aux, ttt_length=J)
+        for t in (0, 5, 11):
+            for j, ref in enumerate(vllm_style_drafts(model, ids, aux, t, J)):
+                torch.testing.assert_close(ttt[j][:, t], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_outside_the_draft_vocab_carry_no_loss():
+    torch.manual_seed(0)
+    B, T, Vd = 1, 10, VD
+    lm_head = torch.randn(Vd, H)
+    draft_ids = torch.arange(0, 2 * Vd, 2)
+    rows = torch.arange(1, T)  # every position q >= 1 predicts a completion token
+    targets = {
+        "rows": rows,
+        "probs": torch.softmax(torch.randn(len(rows), Vd), -1),
+        "argmax": draft_ids[torch.randint(0, Vd, (len(rows),))],
+        "in_draft": torch.tensor([True, False, True, True, False, True, True, True, False]),
+    }
+    outs = [torch.randn(B, T, H, requires_grad=True) for _ in range(2)]
+    loss, stats = ttt_loss(outs, lm_head, draft_ids, targets)
+    loss.backward()
+    for j, out in enumerate(outs):
+        # step j at base t is scored against q = t+1+j: a q without loss leaves base t without gradient
+        for q, keep in zip(rows.tolist(), targets["in_draft"].tolist()):
+            t = q - 1 - j
+            if t >= 0:
+                assert bool(out.grad[0, t].abs().sum() > 0) == keep
+        assert stats[j, 1] == targets["in_draft"][rows % T >= 1 + j].sum()
+    # changing the masked positions' draft logits leaves the loss unchanged
+    moved = [o.detach().clone() for o in outs]
+    moved[0][0, 1] += 5.0  # base 1 of step 0 is q = 2, masked
+    assert torch.equal(ttt_loss(moved, lm_head, draft_ids, targets)[0], loss.detach())
+
+
+def test_chunked_loss_matches_one_chunk():
+    torch.manual_seed(0)
+    h = torch.randn(37, H, requires_grad=True)
+    w = torch.randn(VD, H, requires_grad=True)
+    p = torch.softmax(torch.randn(37, VD), -1)
+    rw = (torch.rand(37) > 0.3).float()
+    one, top1 = soft_cross_entropy(h, w, p, rw, chunk=1000)
+    g1 = torch.autograd.grad(one, (h, w))
+    many, top2 = soft_cross_entropy(h, w, p, rw, chunk=8)
+    g2 = torch.autograd.grad(many, (h, w))
+    torch.testing.assert_close(one, many)
+    assert torch.equal(top1, top2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)

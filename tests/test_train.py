@@ -1,0 +1,153 @@
+"""train_draft: outputs, metrics, batching, schedule, and a killed run resuming to the same result."""
+
+import csv
+import os
+import socket
+
+import pytest
+import torch
+
+from eaglenest import train
+from eaglenest.hidden import extract_hidden, save_target_head
+from eaglenest.train import epoch_batches, load_checkpoint, lr_at, resolve_config, target_distribution, train_draft
+from eaglenest.vocab import build_vocab
+from test_hidden import fake_traces, tiny_target
+
+CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Traces -> hidden shard + target head + vocab of a tiny random target."""
+    root = tmp_path_factory.mktemp("pipeline")
+    target = tiny_target(root / "target")
+    traces = fake_traces(root / "traces.jsonl", n=24)
+    extract_hidden(traces, root / "hidden" / "shard_0.safetensors", target, max_length=48, progress=False)
+    save_target_head(target, root / "hidden" / "target_head.safetensors")
+    build_vocab(traces, root / "vocab.safetensors", target_vocab_size=100, draft_vocab_size=40)
+    return {
+        "hidden_paths": [root / "hidden" / "shard_0.safetensors"],
+        "vocab_path": root / "vocab.safetensors",
+        "head_path": root / "hidden" / "target_head.safetensors",
+    }
+
+
+def run(data, out, config=CONFIG):
+    return train_draft(
+        data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "train_metrics.csv",
+        head_path=data["head_path"], config=config, state_dir=out / ".train_state", device="cpu", progress=False,
+    )
+
+
+def test_train_writes_checkpoint_and_metrics(data, tmp_path):
+    stats = run(data, tmp_path)
+    tensors, cfg, info, trained = load_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert cfg.draft_vocab_size == 40 and cfg.vocab_size == 100 and info["aux_layers"] == [1, 2, 3]
+    assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (40, 64)
+    assert trained["steps"] == stats["steps"] == 6
+    rows = list(csv.DictReader(open(tmp_path / "train_metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    for key in ("lr", "loss", "loss_0", "loss_2", "acc_0", "acc_2", "grad_norm", "tokens", "tokens_per_s"):
+        assert key in rows[0]
+    assert all(0 <= float(r["acc_0"]) <= 1 for r in rows)
+    assert not list((tmp_path / ".train_state").glob("step_*.pt"))  # resume points go once done
+
+
+def test_killed_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
+    run(data, tmp_path / "straight")
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        if step == 4:
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(data, tmp_path / "killed")
+    assert not (tmp_path / "killed" / "checkpoint.safetensors").exists()
+    assert {p.name for p in (tmp_path / "killed" / ".train_state").glob("*.pt")} == {"step_2.pt", "step_4.pt"}
+    monkeypatch.setattr(train, "_save_state", save)
+    stats = run(data, tmp_path / "killed")
+    assert stats["resumed_from"] == 4
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.safetensors")[0]
+    b = load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra = list(csv.DictReader(open(tmp_path / "straight" / "train_metrics.csv")))
+    rb = list(csv.DictReader(open(tmp_path / "killed" / "train_metrics.csv")))
+    assert [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in ra] == [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in rb]
+
+
+def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(data, tmp_path)
+    monkeypatch.setattr(train, "_save_state", save)
+    assert run(data, tmp_path, {**CONFIG, "seed": 4})["resumed_from"] is None
+
+
+def _ddp_rank(rank, world, port, data, out, config):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    run(data, out, config)
+
+
+def test_two_ranks_equal_one_process_accumulating_two(data, tmp_path):
+    """DDP deals the micro-batches to the ranks in turn: 2 ranks x 1 == 1 process x grad_accum 2."""
+    config = {**CONFIG, "max_steps": 3}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_rank, args=(2, port, data, tmp_path / "ddp", config), nprocs=2)
+    run(data, tmp_path / "one", {**config, "grad_accum": 2})
+    a = load_checkpoint(tmp_path / "ddp" / "checkpoint.safetensors")[0]
+    b = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")[0]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    ra = list(csv.DictReader(open(tmp_path / "ddp" / "train_metrics.csv")))
+    rb = list(csv.DictReader(open(tmp_path / "one" / "train_metrics.csv")))
+    assert [(r["tokens"], round(float(r["loss"]), 4)) for r in ra] == [(r["tokens"], round(float(r["loss"]), 4)) for r in rb]
+
+
+def test_batches_cover_each_sequence_once_within_budget():
+    lengths = [5, 40, 17, 33, 8, 21, 40, 2, 11, 29] * 3
+    batches = epoch_batches(lengths, epoch=0, seed=1, batch_tokens=80, window=8)
+    assert sorted(k for b in batches for k in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[k] for k in b) <= 80 for b in batches)
+    assert batches == epoch_batches(lengths, epoch=0, seed=1, batch_tokens=80, window=8)
+    assert batches != epoch_batches(lengths, epoch=1, seed=1, batch_tokens=80, window=8)
+    assert all(len(b) <= 2 for b in epoch_batches(lengths, 0, 1, 10**6, batch_size=2))
+    per_epoch = len(epoch_batches([10] * 100, 0, 0, 20))  # 2 sequences a batch: 50
+    assert [train._count_steps([10] * 100, resolve_config({"epochs": e, "batch_tokens": 20}), 1) for e in (0.5, 1, 2)] == [
+        per_epoch // 2, per_epoch, 2 * per_epoch]
+
+
+def test_lr_warmup_then_cosine():
+    cfg = resolve_config({"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1})
+    lrs = [lr_at(s, cfg, 20) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] >= 0.1
+    with pytest.raises(ValueError, match="unknown training config keys"):
+        resolve_config({"learning_rate": 1})
+
+
+def test_target_distribution_shifts_the_mask_and_flags_out_of_vocab():
+    torch.manual_seed(0)
+    lm_head = torch.randn(10, 4)
+    last = torch.randn(1, 6, 4)
+    loss_mask = torch.tensor([[False, False, True, True, True, False]])
+    draft_ids = torch.tensor([1, 3, 4])
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tg = target_distribution(last, loss_mask, lm_head, draft_ids, t2d, max_elements=20)
+    assert tg["rows"].tolist() == [1, 2, 3]  # position q predicts token q+1
+    logits = last[0, 1:4] @ lm_head.T
+    assert torch.equal(tg["argmax"], logits.argmax(-1))
+    torch.testing.assert_close(tg["probs"], torch.softmax(logits[:, draft_ids], -1))
+    assert torch.equal(tg["in_draft"], t2d[logits.argmax(-1)])
