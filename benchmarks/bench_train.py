@@ -61,6 +61,27 @@ def flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=True):
     return ttt * per_step + once
 
 
+def check_flex(dev):
+    """The flex path computes what the dense-mask path does: outputs and gradients, all TTT steps."""
+    cfg = DraftConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, vocab_size=512, draft_vocab_size=256, target_hidden_size=256)
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg).to(dev)
+    model.set_target(torch.randn(512, 256) * 0.02, torch.zeros(256, dtype=torch.int64), torch.arange(512) < 256)
+    ids = torch.randint(0, 512, (2, 200), device=dev)
+    aux = torch.randn(2, 200, 768, device=dev)
+    res = {}
+    for impl in ("sdpa", "flex"):
+        model.attention = impl
+        model.zero_grad()
+        outs = model(ids, aux, ttt_length=4)
+        sum((o.float() ** 2).mean() for o in outs).backward()
+        res[impl] = (torch.stack(outs).detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    d_out = (res["sdpa"][0] - res["flex"][0]).abs().max().item()
+    d_grad = max((a - b).abs().max().item() / (a.abs().max().item() + 1e-12) for a, b in zip(res["sdpa"][1], res["flex"][1]))
+    print(json.dumps({"check": "flex vs sdpa", "max_abs_out": d_out, "max_rel_grad": d_grad}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["llama8b", "kimi"])
@@ -69,12 +90,16 @@ def main():
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4096, help="rows of draft logits alive at once in the loss")
     p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder layer")
+    p.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa")
+    p.add_argument("--check", action="store_true", help="first compare flex against sdpa (outputs, grads)")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
+    if a.check:
+        check_flex(dev)
     rows = []
     for size in ["tiny"] if a.small else a.sizes:
         H, I, nh, nkv, V = SIZES[size]
@@ -85,6 +110,7 @@ def main():
                           rms_norm_eps=1e-5, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
         model = Eagle3Draft(cfg).to(dev)
+        model.attention = a.attention
         g = torch.Generator(device=dev).manual_seed(0)
         embed = torch.randn(V, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         lm_head = torch.randn(V, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
@@ -122,7 +148,7 @@ def main():
             warm = time.perf_counter() - t0
             s = timed(step, a.iters, dev)
             f = flops_per_token(H, I, nh, nkv, DV, T, ttt)
-            r = dict(impl="eaglenest" + ("-compiled" if a.compile else ""), size=size, seq=T, ttt=ttt,
+            r = dict(impl="eaglenest-" + a.attention + ("-compiled" if a.compile else ""), size=size, seq=T, ttt=ttt,
                      step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                      peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                      warmup_s=round(warm, 1))

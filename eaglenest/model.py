@@ -20,6 +20,7 @@ positions <= t and to its own chain's keys at t from steps 1..j, exactly the key
 holds when it drafts that token, and to nothing later.
 """
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -113,8 +114,12 @@ class Attention(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def attend(self, q, k, v, mask):
-        """Queries over the given keys; ``mask`` [S, S_k] bool, True = may attend. -> [B, S, H]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
+        """Queries over the given keys; ``mask`` [S, S_k] bool (True = may attend) or a flex-attention
+        BlockMask of the same pattern (``ttt_block_mask``). -> [B, S, H]."""
+        if isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
+        else:
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -164,6 +169,25 @@ def ttt_mask(T, step, device=None):
     return torch.cat([causal] + [diag] * step, dim=1)
 
 
+@functools.lru_cache(maxsize=None)
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=64)
+def ttt_block_mask(T, step, device):
+    """``ttt_mask`` as a flex-attention BlockMask: only the causal block and the diagonals are computed,
+    so step j costs about what step 0 does instead of (j+1) full T x T blocks. GPU only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q, k):
+        return torch.where(k < T, k <= q, (k % T) == q)
+
+    return create_block_mask(allowed, None, None, T, (step + 1) * T, device=device)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -208,6 +232,14 @@ class Eagle3Draft(nn.Module):
             if norm_weight is not None:
                 self.norm.weight.copy_(norm_weight)
 
+    # "sdpa": a dense boolean mask (any device); "flex": block-sparse flex attention (CUDA; compiled).
+    attention = "sdpa"
+
+    def step_mask(self, T, step, device):
+        if self.attention == "flex" and device.type == "cuda":
+            return ttt_block_mask(T, step, str(device))
+        return ttt_mask(T, step, device)
+
     def draft_ids(self):
         """Target id of every draft id."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
@@ -226,7 +258,7 @@ class Eagle3Draft(nn.Module):
         for j in range(ttt_length):
             embeds = F.embedding(tokens[:, 1 + j : 1 + j + T], self.embed_weight).to(self.fc.weight.dtype)
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
-            hidden, kv = self.midlayer(embeds, hidden, cos, sin, past, ttt_mask(T, j, input_ids.device))
+            hidden, kv = self.midlayer(embeds, hidden, cos, sin, past, self.step_mask(T, j, input_ids.device))
             past.append(kv)
             outs.append(self.norm(hidden))
         if targets is None:

@@ -52,6 +52,7 @@ DEFAULTS = {
     "save_every": 100,  # steps between resumable states
     "keep_states": 2,
     "loss_chunk": 4096,  # rows of draft logits alive at once in the loss
+    "attention": "sdpa",  # "flex": block-sparse training-time-test attention on CUDA (model.ttt_block_mask)
 }
 
 
@@ -227,6 +228,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     dcfg = draft_config(info, len(d2t), cfg)
     torch.manual_seed(cfg["seed"])
     model = Eagle3Draft(dcfg)
+    model.attention = cfg["attention"]
     init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
     model.set_target(head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32), d2t, t2d, *init)
     model.to(device)
