@@ -164,9 +164,11 @@ def _count_steps(lengths, cfg, world):
 
 
 def _fingerprint(cfg, shards, vocab_path, head_path, world):
+    # The global batch (micro-batches per optimizer step), not how it is split, identifies a run:
+    # a state saved by 1 process x grad_accum 2 resumes under 2 processes x 1, and the reverse.
     facts = {
-        "config": cfg,
-        "world": world,
+        "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states")},
+        "micro_batches_per_step": cfg["grad_accum"] * world,
         "shards": [(p.name, p.stat().st_size) for p in shards.paths],
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
         "head": Path(head_path).stat().st_size,
@@ -368,3 +370,25 @@ def load_checkpoint(path):
             raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return tensors, DraftConfig(**json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
+
+
+def main(argv=None):
+    """`python -m eaglenest.train ...`: the entry point torchrun starts once per process."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m eaglenest.train")
+    p.add_argument("--hidden", nargs="+", required=True)
+    p.add_argument("--vocab", required=True)
+    p.add_argument("--head", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--config", default="{}", help="the training config as JSON")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    train_draft(a.hidden, a.vocab, a.out, a.metrics, head_path=a.head, config=json.loads(a.config),
+                state_dir=a.state_dir, device=a.device)
+
+
+if __name__ == "__main__":
+    main()

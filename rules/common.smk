@@ -51,6 +51,11 @@ def all_targets(wildcards):
     return ["draft/checkpoint"]
 
 
+def train_processes():
+    """torchrun processes for training: train.nproc, else one per GPU the rule asks for."""
+    return config["train"]["nproc"] or max(1, gpus("train"))
+
+
 def target_model():
     """The target as transformers loads it: hidden.target, else the served model."""
     return config["hidden"]["target"] or config["server"]["model"]

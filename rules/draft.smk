@@ -24,7 +24,8 @@ rule train_draft:
         checkpoint="draft/checkpoint.safetensors",
         metrics="draft/train_metrics.csv",
     params:
-        train={k: v for k, v in config["train"].items() if k not in ("device", "gpus")},
+        train={k: v for k, v in config["train"].items() if k not in ("device", "gpus", "nproc")},
+        nproc=train_processes(),
         norm_before_residual=config["draft"]["norm_before_residual"],
         state_dir="draft/.train_state",
     threads: all_cores()

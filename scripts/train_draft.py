@@ -1,4 +1,8 @@
-"""Train the EAGLE-3 draft on the hidden-state shards."""
+"""Train the EAGLE-3 draft on the hidden-state shards: one process, or torchrun over train.nproc."""
+import json
+import subprocess
+import sys
+
 from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
@@ -7,8 +11,17 @@ import torch
 
 from eaglenest.train import train_draft
 
+config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
+nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]
+args = dict(hidden=list(snakemake.input.hidden), vocab=snakemake.input.vocab, head=snakemake.input.head,
+            out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir)
+if nproc > 1:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "eaglenest.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
+           "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"],
+           "--config", json.dumps(config), "--device", device]
+    print("launching:", " ".join(cmd), flush=True)
+    sys.exit(subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode)
 torch.set_num_threads(max(1, snakemake.threads))
-train_draft(snakemake.input.hidden, snakemake.input.vocab, snakemake.output.checkpoint, snakemake.output.metrics,
-            head_path=snakemake.input.head, state_dir=snakemake.params.state_dir,
-            config={**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual},
-            device=snakemake.config["train"]["device"])
+train_draft(args["hidden"], args["vocab"], args["out"], args["metrics"], head_path=args["head"],
+            state_dir=args["state_dir"], config=config, device=device)

@@ -1,0 +1,27 @@
+rule validate_draft:
+    """The draft in real vLLM (target alone, EAGLE-3, n-gram; one server at a time) vs the offline prediction."""
+    input:
+        draft="draft/checkpoint",
+        heldout="data/prompts/heldout.jsonl",
+        metrics="draft/train_metrics.csv",
+    output:
+        json=report("reports/validation.json", caption="../report/validation.rst", category="Validation"),
+        html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
+    params:
+        server=config["server"],
+        generation={k: config["generation"][k] for k in ("max_tokens", "chat_template_kwargs", "extra_body", "request_timeout")},
+        validate=config["validate"],
+        target=target_model(),
+        hidden_dtype=config["hidden"]["dtype"],
+        log_dir="logs/validate",
+    threads: all_cores()
+    resources:
+        gpu=gpus("validate"),
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/validate_draft.log",
+    benchmark:
+        "logs/benchmarks/validate_draft.tsv"
+    script:
+        "../scripts/validate_draft.py"

@@ -1,0 +1,42 @@
+"""The whole workflow up to draft/checkpoint through the real one-node SLURM cluster of ci/slurm_up.sh:
+--profile profiles/slurm, the vLLM server (the real toy target) as its own SLURM job, every other
+heavy rule a SLURM job. Fails (does not skip) when no cluster answers."""
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import run_snakemake, write_config
+from test_slurm import ROOT, _scontrol_job, cluster  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+
+def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa: F811
+    wd = tmp_path / "wf"
+    write_config(wd, dataset={"limit": 24, "heldout": 4},
+                 server={"mode": "slurm", "slurm": {"cpus": 1, "mem": "3G", "gpus": 0, "time": "30:00"}},
+                 train={"max_steps": 10, "batch_tokens": 2048, "save_every": 5},
+                 hidden={"dtype": "float32", "max_length": 512})
+    cluster.append("eaglenest-server-")  # scancel --name matches whole names; the job is cancelled by the run
+    t0 = time.monotonic()
+    out = run_snakemake(wd, "draft/checkpoint", "--profile", str(ROOT / "profiles/slurm"), "--jobs", "2",
+                        "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "10", timeout=1400)
+    seconds = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    rule_jobs = dict(re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: [^)]*?/(\w+)/", text))
+    submitted = re.findall(r"SLURM jobid (\d+)", text)
+    assert submitted, text[-3000:]
+    for job_id in submitted:  # every rule job really went through SLURM and finished there
+        info = _scontrol_job(job_id)
+        assert f"JobId={job_id}" in info and "JobState=COMPLETED" in info, info
+    # The server was its own SLURM job, cancelled once the last trace shard was done.
+    logs = list((wd / "logs/server").glob("vllm.slurm-*.log"))
+    assert len(logs) == 1
+    server_job = logs[0].name.split("-")[1].split(".")[0]
+    info = _scontrol_job(server_job)
+    assert "JobName=eaglenest-server-" in info and "JobState=CANCELLED" in info, info
+    assert "server ready" in (wd / "logs/server_ready.log").read_text()
+    assert (wd / "draft/checkpoint/config.json").exists() and (wd / "draft/checkpoint/model.safetensors").exists()
+    print(f"SLURM run: {len(submitted)} rule jobs + server job {server_job} in {seconds:.0f} s; {rule_jobs}")
