@@ -25,7 +25,7 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa
                         "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "10", timeout=1400)
     seconds = time.monotonic() - t0
     text = out.stdout + out.stderr
-    rule_jobs = dict(re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: [^)]*?/(\w+)/", text))
+    rule_jobs = dict(re.findall(r"SLURM jobid (\d+) \(log: [^)]*?/rule_(\w+)/", text))
     submitted = re.findall(r"SLURM jobid (\d+)", text)
     assert submitted, text[-3000:]
     for job_id in submitted:  # every rule job really went through SLURM and finished there
