@@ -13,6 +13,7 @@ include: "rules/server.smk"
 include: "rules/traces.smk"
 include: "rules/hidden.smk"
 include: "rules/draft.smk"
+include: "rules/validate.smk"
 
 
 rule all:

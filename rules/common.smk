@@ -48,7 +48,7 @@ def gpus(section):
 
 
 def all_targets(wildcards):
-    return ["draft/checkpoint"]
+    return ["draft/checkpoint", "reports/validation.json", "reports/validation.html"]
 
 
 def train_processes():

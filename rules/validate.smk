@@ -2,6 +2,7 @@ rule validate_draft:
     """The draft in real vLLM (target alone, EAGLE-3, n-gram; one server at a time) vs the offline prediction."""
     input:
         draft="draft/checkpoint",
+        checkpoint="draft/checkpoint.safetensors",
         heldout="data/prompts/heldout.jsonl",
         metrics="draft/train_metrics.csv",
     output:

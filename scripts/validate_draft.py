@@ -1,0 +1,19 @@
+"""Measure the exported draft in real vLLM (target alone, EAGLE-3, n-gram) against an offline prediction."""
+import os
+
+from eaglenest.logs import to_log
+
+to_log(snakemake.log[0])
+
+import torch
+
+from eaglenest.validate import validate_draft
+
+torch.set_num_threads(max(1, snakemake.threads))
+validate_draft(snakemake.input.draft, snakemake.input.heldout, snakemake.input.metrics,
+               snakemake.output.json, snakemake.output.html, server=snakemake.params.server,
+               generation=snakemake.params.generation, validate=snakemake.params.validate,
+               target=snakemake.params.target, hidden_dtype=snakemake.params.hidden_dtype,
+               checkpoint_path=snakemake.input.checkpoint,
+               log_dir=snakemake.params.log_dir,
+               workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
