@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOY_TARGET, run_snakemake, write_config
+from conftest import BASE_CONFIG, TOY_TARGET, run_snakemake, write_config
 from eaglenest.export import export_untrained
 from eaglenest.server import ServerConfig
 from eaglenest.validate import measure_run, offline_acceptance, read_prompts, request_body, speculative_config
@@ -36,20 +36,22 @@ def _free_port(lo=8200, hi=8300) -> int:
                     return port
                 except OSError:
                     continue
-    pytest.skip(f"no free port in {lo}-{hi - 1}")
+    pytest.fail(f"no free port in {lo}-{hi - 1}")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     if not (TOY_TARGET / "config.json").exists():
-        pytest.skip(f"the toy target is not built: python -m eaglenest.toy --out {TOY_TARGET}")
+        pytest.fail(f"the toy target is missing: rebuild it with python -m eaglenest.toy --out {TOY_TARGET}")
     wd = tmp_path_factory.mktemp("acceptance")
     t0 = time.monotonic()
+    # Hidden states (training) and the offline prediction in the dtype vLLM serves the target in.
+    dtype = BASE_CONFIG["server"].get("dtype") or "bfloat16"
     # A small share of the machine's memory for vLLM's KV cache: the default 0.9 of the NUMA node is
     # refused on a machine shared with other work, and the toy needs little.
     cfg = write_config(wd, dataset={"limit": 300, "heldout": 24}, shards=1,
                        server={"port": _free_port(), "gpu_memory_utilization": 0.1},
-                       generation={"concurrency": 64}, train=TRAIN)
+                       generation={"concurrency": 64}, hidden={"dtype": dtype}, train=TRAIN)
     run_snakemake(wd, "draft/checkpoint", timeout=600)
     t_workflow = time.monotonic() - t0
     export_untrained(wd / "draft/vocab.safetensors", wd / "hidden/target_head.safetensors", wd / "untrained",
@@ -64,7 +66,7 @@ def served(tmp_path_factory):
                                  workflow_pid=os.getpid())
     # The offline prediction on the very tokens vLLM served: it must agree with vLLM's counters.
     answers = runs["trained"]["answers"]
-    runs["offline"] = offline_acceptance(TOY_TARGET, wd / "draft/checkpoint", k=K, dtype="bfloat16", device="cpu",
+    runs["offline"] = offline_acceptance(TOY_TARGET, wd / "draft/checkpoint", k=K, dtype=dtype, device="cpu",
                                          sequences=[(a["prompt_token_ids"], a["token_ids"]) for a in answers],
                                          progress=False)
     runs["seconds"] = {"workflow": round(t_workflow, 1), "total": round(time.monotonic() - t0, 1)}
