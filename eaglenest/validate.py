@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .server import LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
+from .server import THREAD_ENV, LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
 
 SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -303,12 +303,6 @@ def _sigterm_stops_servers():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-# Snakemake sets these to a job's thread count; vLLM's CPU backend pins its worker to its own cores
-# and, given OMP_NUM_THREADS=2 on a 2-core machine, ran 100x slower (21 vs 2100 tokens/s, measured).
-THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-              "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 @contextlib.contextmanager
