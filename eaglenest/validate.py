@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .server import THREAD_ENV, LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
+from .server import LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
 
 SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -305,16 +305,6 @@ def _sigterm_stops_servers():
         signal.signal(signal.SIGTERM, old)
 
 
-@contextlib.contextmanager
-def _without_thread_env():
-    """Start the server without the job's thread-count variables (server.env can still set them)."""
-    saved = {k: os.environ.pop(k) for k in THREAD_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 def _reap(pid: int) -> None:
     """Collect the exit status of a server this process started, so no zombie is left behind."""
     with contextlib.suppress(ChildProcessError, OSError):
@@ -338,8 +328,8 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, body, *,
     record = None
     with _sigterm_stops_servers():
         try:
-            with _without_thread_env():
-                record = start_local(cfg, paths, workflow_pid=workflow_pid, log=log)
+            # start_local leaves out the job's thread-count variables (server.THREAD_ENV)
+            record = start_local(cfg, paths, workflow_pid=workflow_pid, log=log)
             ready = wait_ready(cfg, paths, log=log)
             url = cfg.local_url
             if warmup_requests:

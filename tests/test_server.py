@@ -123,3 +123,23 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_server_starts_without_the_jobs_thread_variables(tmp_path, monkeypatch):
+    """Snakemake exports OMP_NUM_THREADS=<threads> to a job; vLLM's CPU worker crawls with it.
+    The "interpreter" here prints the environment it was given into the server log."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nenv\n")
+    fake.chmod(0o755)
+    cfg = ServerConfig(model="m", port=_free_port(), python=str(fake), env={"MKL_NUM_THREADS": "8"})
+    paths = LocalPaths(tmp_path / "logs")
+    record = start_local(cfg, paths, log=lambda *_: None)
+    deadline = time.monotonic() + 10
+    while _alive(record["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logged = paths.log.read_text().splitlines()
+    assert "MKL_NUM_THREADS=8" in logged  # server.env still wins
+    assert not any(line.startswith("OMP_NUM_THREADS=") for line in logged)
+    stop_local(paths)

@@ -395,15 +395,6 @@ def test_load_warning_names_unreliable_throughput(monkeypatch):
     assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
 
 
-def test_server_starts_without_the_jobs_thread_variables(monkeypatch):
-    """Snakemake exports OMP_NUM_THREADS=<threads> to a job; vLLM's CPU worker crawls with it."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    monkeypatch.setenv("MKL_NUM_THREADS", "2")
-    with validate._without_thread_env():
-        assert "OMP_NUM_THREADS" not in validate.os.environ and "MKL_NUM_THREADS" not in validate.os.environ
-    assert validate.os.environ["OMP_NUM_THREADS"] == "2"
-
-
 def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
     from eaglenest.server import ServerConfig
 
