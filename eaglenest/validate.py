@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .server import LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
+from .errors import ServerError, ValidationError
+from .server import LocalPaths, ServerConfig, start_local, stop_local, wait_ready
 
 SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -75,8 +76,6 @@ DEFAULTS = {
 }
 
 
-class ValidationError(RuntimeError):
-    """A validation step failed in a way the user can act on; the message says what and where."""
 
 
 # ----------------------------------------------------------------------------- Prometheus
@@ -542,7 +541,7 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
     transformers target would also choose (below 1: the sequences are not this target's greedy
     answers, e.g. served in another dtype).
     """
-    from tqdm import tqdm
+    from .util import progress_bar as tqdm
 
     from .hidden import load_target, resolve_device
 
