@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .util import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
+from .util import save_safetensors, say
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
