@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import defaults
 from .errors import PromptsError, RowError
-from .util import progress_bar, write_atomic
+from .util import progress_bar, say, write_atomic
 
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")
@@ -222,8 +222,8 @@ def _load(path: str, split: str, cache_dir: str | None):
         except Exception as e:  # noqa: BLE001 -- arrow refuses some rows; json can still read the rest
             if kind != "json":
                 raise PromptsError(f"dataset {path!r}: cannot read it as {kind}: {_why(e)}") from e
-            print(f"prompts: datasets could not read {path} as a table ({_why(e)}); "
-                  f"reading it with the json module, bad lines count as malformed", file=sys.stderr)
+            say(f"prompts: datasets could not read {path} as a table ({_why(e)}); "
+                f"reading it with the json module, bad lines count as malformed")
             return _json_rows(path, files)
     else:
         try:
@@ -405,7 +405,7 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         "max_prompt_chars": max_prompt_chars,
     }
     write_atomic(out / "stats.json", stats)
-    print(summary(stats), file=sys.stderr, flush=True)
+    say(summary(stats))
     return stats
 
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import random
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +34,7 @@ import aiohttp
 from .config import defaults
 from .errors import ServerError, TracesError
 from .server import probe
-from .util import progress_bar, write_atomic
+from .util import progress_bar, say, write_atomic
 
 __all__ = ["TracesError", "check_server", "generate_shard", "fingerprint"]
 
@@ -54,7 +53,7 @@ KEEPALIVE_S = 4.0
 
 def fingerprint(model, generation=None):
     """Short hash of everything that changes the answers (model and ANSWER_SETTINGS)."""
-    g = _generation_settings(generation or {})
+    g = generation_settings(generation or {})
     key = {"model": model, **{k: g[k] for k in ANSWER_SETTINGS}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -80,7 +79,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     partial file for the rerun, which sends only what is missing.
     """
     prompts_path, output_path = Path(prompts_path), Path(output_path)
-    gen = _generation_settings(generation)
+    gen = generation_settings(generation)
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise TracesError(f"{output_path}: no server URL given; pass at least one base URL")
@@ -220,7 +219,7 @@ class _ShardRun:
         stats = self._stats(wall, complete=failure is None)
         write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
         write_atomic(self.stats_path, stats)
-        print(self._summary(stats), file=sys.stderr, flush=True)
+        say(self._summary(stats))
         if failure is not None:
             raise TracesError(failure)
         self._write_output()
@@ -501,8 +500,8 @@ class _ShardRun:
         self.partial = f
         self.resumed = len(self.index)
         if bad:
-            print(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
-                  "their prompts are sent again", file=sys.stderr)
+            say(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
+                "their prompts are sent again")
 
     def _write_output(self):
         """Copy the finished records into the output, in prompt order, atomically."""
@@ -575,7 +574,9 @@ class _ShardRun:
 # ---------------------------------------------------------------------------------------------
 
 
-def _generation_settings(generation):
+def generation_settings(generation):
+    """The `generation:` config checked and completed with the schema's defaults (a None value takes
+    the default); numbers that may be written as ints are floats, so 0 and 0.0 fingerprint alike."""
     unknown = sorted(set(generation or {}) - set(GENERATION_DEFAULTS))
     if unknown:
         raise TracesError(f"generation settings {unknown} are not known; known: {sorted(GENERATION_DEFAULTS)}")
