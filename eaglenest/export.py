@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .model import DraftConfig, Eagle3Draft
 from .util import save_safetensors, say
+from .model import DraftConfig, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

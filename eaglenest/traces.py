@@ -29,12 +29,12 @@ import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-import aiohttp
-
 from .config import defaults
 from .errors import ServerError, TracesError
 from .server import probe
 from .util import progress_bar, say, write_atomic
+
+import aiohttp
 
 __all__ = ["TracesError", "check_server", "generate_shard", "fingerprint"]
 
@@ -53,7 +53,7 @@ KEEPALIVE_S = 4.0
 
 def fingerprint(model, generation=None):
     """Short hash of everything that changes the answers (model and ANSWER_SETTINGS)."""
-    g = generation_settings(generation or {})
+    g = _generation_settings(generation or {})
     key = {"model": model, **{k: g[k] for k in ANSWER_SETTINGS}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -79,7 +79,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     partial file for the rerun, which sends only what is missing.
     """
     prompts_path, output_path = Path(prompts_path), Path(output_path)
-    gen = generation_settings(generation)
+    gen = _generation_settings(generation)
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise TracesError(f"{output_path}: no server URL given; pass at least one base URL")
@@ -574,7 +574,7 @@ class _ShardRun:
 # ---------------------------------------------------------------------------------------------
 
 
-def generation_settings(generation):
+def _generation_settings(generation):
     """The `generation:` config checked and completed with the schema's defaults (a None value takes
     the default); numbers that may be written as ints are floats, so 0 and 0.0 fingerprint alike."""
     unknown = sorted(set(generation or {}) - set(GENERATION_DEFAULTS))

@@ -69,8 +69,8 @@ def test_every_schema_default_reaches_the_code_unchanged():
     assert dataclasses.asdict(SlurmSettings()) == resolved["server"]["slurm"]
     assert SlurmSettings.from_dict(resolved["server"]["slurm"]) == SlurmSettings()
     # Numbers may come back as floats (0 and 0.0 must fingerprint alike); the values are the same.
-    assert traces.generation_settings({}) == resolved["generation"]
-    assert traces.generation_settings(resolved["generation"]) == resolved["generation"]
+    assert traces._generation_settings({}) == resolved["generation"]
+    assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
     assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
                                         "norm_before_residual": resolved["draft"]["norm_before_residual"]}
     assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77}
