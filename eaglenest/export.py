@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .hidden import save_safetensors, say
+from .util import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

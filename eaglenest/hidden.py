@@ -27,43 +27,21 @@ and the head only while it runs: the shards may be deleted (Snakemake ``temp()``
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from .errors import DiskSpaceError
 from .layers import check_aux_layers, default_aux_layers
+from .util import progress_bar, save_safetensors, say
 
 FORMAT = "eaglenest.hidden/1"
 HEAD_FORMAT = "eaglenest.target_head/1"
 STORE_DTYPE = torch.bfloat16
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
-
-
-def say(message):
-    """One line for the rule's log (stderr, where the progress bars go too)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-class DiskSpaceError(OSError):
-    """Not enough free disk for a shard: the message says needed vs free bytes and where."""
-
-
-def save_safetensors(tensors, path, metadata=None):
-    """Write a safetensors file atomically (a ``.partial`` renamed into place), readable by all
-    (safetensors itself creates files 0600)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- trace records
@@ -362,7 +340,6 @@ def extract_hidden(
     batch_tokens=16384,
     device="auto",
     dtype="bfloat16",
-    head_path=None,
     progress=True,
     model=None,
 ) -> dict:
@@ -370,9 +347,8 @@ def extract_hidden(
 
     ``target`` is a transformers model directory or hub name (``model``, an already loaded target,
     skips loading). ``dtype`` is the dtype the target runs in: bf16 matches what vLLM serves with
-    ``--dtype auto`` (it downcasts fp32 checkpoints). ``head_path``, when given, also saves the target
-    head there (``save_target_head``). Refuses with ``DiskSpaceError`` before any work when the disk
-    is short. Returns counts, bytes and speed.
+    ``--dtype auto`` (it downcasts fp32 checkpoints). Refuses with ``DiskSpaceError`` before any work
+    when the disk is short. Returns counts, bytes and speed.
     """
     from transformers import AutoConfig
 
@@ -407,8 +383,6 @@ def extract_hidden(
 
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
-    if head_path is not None:
-        save_target_head(target, head_path, aux_layers=aux_layers, model=model)
     decoder = _decoder(model)
     first_device = model.get_input_embeddings().weight.device
 
@@ -432,7 +406,7 @@ def extract_hidden(
     writer = _ShardWriter(out_path, specs, metadata)
     capture = _AuxCapture(decoder, aux_layers)
     n_loss = sum(len(ids) - n_prompt for ids, n_prompt in seqs)
-    bar = tqdm(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
+    bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
 
     def write_batch(batch, aux, last):
         for b, k in enumerate(batch):

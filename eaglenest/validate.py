@@ -39,7 +39,9 @@ from pathlib import Path
 
 import torch
 
-from .server import LocalPaths, ServerConfig, ServerError, start_local, stop_local, wait_ready
+from .config import defaults
+from .errors import ServerError, ValidationError
+from .server import LocalPaths, ServerConfig, start_local, stop_local, wait_ready
 
 SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -48,7 +50,7 @@ SPEC_METRICS = {
     "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
 }
 # vLLM's acceptance length below this share of the offline prediction is reported as a disagreement.
-WARN_BELOW = 0.8
+WARN_BELOW = defaults("validate")["warn_below"]
 # The usual reasons a draft does worse in vLLM than offline or than in training, each with the
 # check (in report["checks"]) that speaks to it.
 LIKELY_CAUSES = {
@@ -62,21 +64,9 @@ LIKELY_CAUSES = {
     "data": "the draft trained on too little data (it fits its training set, not the held-out prompts)",
 }
 
-DEFAULTS = {
-    "num_speculative_tokens": 3,
-    "max_tokens": None,  # None: generation.max_tokens
-    "concurrency": 8,
-    "warmup_requests": 2,
-    "min_seconds": 10.0,  # resend the prompt set until the timed window is this long
-    "port": None,  # None: server.port
-    "ngram": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "offline": {"tokens": "generate", "dtype": None, "device": "auto"},
-    "warn_below": WARN_BELOW,
-}
+DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
 
-class ValidationError(RuntimeError):
-    """A validation step failed in a way the user can act on; the message says what and where."""
 
 
 # ----------------------------------------------------------------------------- Prometheus
@@ -542,9 +532,8 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
     transformers target would also choose (below 1: the sequences are not this target's greedy
     answers, e.g. served in another dtype).
     """
-    from tqdm import tqdm
-
     from .hidden import load_target, resolve_device
+    from .util import progress_bar as tqdm
 
     t0 = time.time()
     device = resolve_device(device)

@@ -312,8 +312,8 @@ def test_report_holds_the_promised_keys():
     r = _report()
     for key in ("target", "draft", "num_speculative_tokens", "prompts", "eagle3", "ngram", "baseline", "offline", "speedup"):
         assert key in r, key
-    for run in ("eagle3", "ngram"):
-        assert {"acceptance_length", "acceptance_rate", "per_position", "output_tokens_per_s"} <= set(r[run])
+    for name in ("eagle3", "ngram"):
+        assert {"acceptance_length", "acceptance_rate", "per_position", "output_tokens_per_s"} <= set(r[name])
     assert "output_tokens_per_s" in r["baseline"] and {"acceptance_length", "per_position"} <= set(r["offline"])
     assert r["speedup"] == pytest.approx(1.8) and r["agreement"] == pytest.approx(2.5 / 2.6)
     assert "answers" not in r["baseline"]
