@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .hidden import HiddenShards, load_target_head, resolve_device, save_safetensors, say
+from .hidden import HiddenShards, save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
+from .target import load_target_head, resolve_device
 from .vocab import load_vocab
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"

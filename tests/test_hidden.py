@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from eaglenest import hidden
-from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden, load_target_head, save_target_head
-from eaglenest.layers import check_aux_layers, default_aux_layers
+from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden
+from eaglenest.target import load_target_head, save_target_head
+from eaglenest.vllm_format import check_aux_layers, default_aux_layers
 
 VOCAB, HIDDEN, LAYERS = 100, 64, 4
 

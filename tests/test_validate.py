@@ -1,5 +1,6 @@
-"""validate: Prometheus parsing and counter differences, acceptance math, the offline chain simulation,
-the report's keys, its disagreement warning and its self-contained HTML. Fast: no vLLM."""
+"""Validation and what it is built from: vLLM's /metrics counters and their differences (vllm_format,
+validate), acceptance math and the offline chain simulation (predict), the report's keys, its
+disagreement warning and its self-contained HTML (report), the requests (the traces client). Fast: no vLLM."""
 
 import json
 import math
@@ -8,13 +9,13 @@ import re
 import pytest
 import torch
 
-from eaglenest import validate
-from eaglenest.report import bar_chart, line_chart, nice_ticks, render_html
-from eaglenest.validate import (
-    acceptance, build_report, chain_proposals, counter_delta, counts_from_accepted, findings, load_exported_draft,
-    offline_acceptance, parse_prometheus, read_train_metrics, simulate_chain, spec_counters, speculative_config,
-    train_summary, write_report,
-)
+from eaglenest import report, validate
+from eaglenest.model import Eagle3Draft
+from eaglenest.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
+from eaglenest.report import (bar_chart, build_report, export_differences, findings, line_chart, nice_ticks,
+                              read_train_metrics, render_html, train_summary, write_report)
+from eaglenest.validate import counter_delta
+from eaglenest.vllm_format import acceptance, spec_counters, speculative_config
 from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline of a tiny random target)
 
 # What vLLM 0.32's /metrics serves with a speculative config (prometheus_client text format), two engines.
@@ -68,19 +69,9 @@ def _after(before: str, scale: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def test_parse_prometheus_samples_labels_and_escapes():
-    samples = parse_prometheus(METRICS_BEFORE)
-    assert not any(name.startswith("#") for name, _, _ in samples)
-    by_name = {}
-    for name, labels, value in samples:
-        by_name.setdefault(name, []).append((labels, value))
-    assert by_name["vllm:num_requests_running"] == [({"engine": "0", "model_name": "toy"}, 0.0)]
-    assert by_name["python_info"][0][0]["patchlevel"] == "9"
-    labels, value = by_name["weird_metric"][0]
-    assert labels == {"path": 'a "quoted", {braced} value\\', "other": "x"} and math.isnan(value)
-    assert by_name["vllm:e2e_request_latency_seconds_bucket"][0][0]["le"] == "+Inf"
-    with pytest.raises(ValueError, match="line 1"):
-        parse_prometheus("not a metric line at all {\n")
+def test_spec_counters_refuse_text_that_is_not_prometheus():
+    with pytest.raises(ValueError):
+        spec_counters("not a metric line at all {\n")
 
 
 def test_spec_counters_sum_engines_and_keep_positions():
@@ -158,7 +149,7 @@ def tiny(tmp_path_factory):
     """A tiny random Llama target and an untrained draft exported for it in vLLM's format."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.export import _write
+    from eaglenest.export import write_draft
     from eaglenest.model import DraftConfig, Eagle3Draft
 
     root = tmp_path_factory.mktemp("tiny")
@@ -176,7 +167,7 @@ def tiny(tmp_path_factory):
     t2d[ids] = True
     draft.set_target(target.get_input_embeddings().weight, d2t, t2d)
     info = {"aux_layers": [1, 2, 3], "target": "tiny", "num_hidden_layers": 4, "hidden_size": HIDDEN}
-    _write(root / "draft", dcfg, info, draft.state_dict(), None, None, "float32")
+    write_draft(root / "draft", dcfg, info, draft.state_dict(), None, None, "float32")
     return target, root / "draft", draft
 
 
@@ -199,14 +190,14 @@ def test_exported_draft_loads_as_vllm_reads_it(tiny):
     assert bf16.fc.weight.dtype == torch.bfloat16 and bf16.rotary_emb.inv_freq.dtype == torch.float32
 
 
-def test_chain_proposals_match_a_step_by_step_proposer(tiny):
+def test_propose_matches_a_step_by_step_proposer(tiny):
     """The batched chains equal a plain loop that drafts at one position with a growing KV list."""
     target, draft_dir, _ = tiny
     draft, _ = load_exported_draft(draft_dir, target.get_input_embeddings().weight)
     T, k = 12, 3
     tokens = torch.randint(3, VOCAB, (T,))
     aux = torch.randn(T, 3 * HIDDEN)
-    batched = chain_proposals(draft, aux, tokens, k)
+    batched = draft.propose(tokens, aux, k)
     assert batched.shape == (T, k) and (batched[-1] == -1).all()
     assert set(batched[:-1].flatten().tolist()) <= set(draft.draft_ids().tolist())  # target ids of draft tokens
     with torch.no_grad():
@@ -252,11 +243,11 @@ def test_offline_acceptance_counts_what_a_perfect_chain_would(tiny, monkeypatch)
     target, draft_dir, _ = tiny
     k = 2
 
-    def oracle(draft, aux, tokens, k):
+    def oracle(draft, tokens, aux, k):
         T = len(tokens)
         return torch.tensor([[int(tokens[t + 2 + j]) if t + 2 + j < T else -1 for j in range(k)] for t in range(T)])
 
-    monkeypatch.setattr(validate, "chain_proposals", oracle)
+    monkeypatch.setattr(Eagle3Draft, "propose", oracle)
     seqs = [(list(range(3, 8)), list(range(10, 10 + 3 * 7 + 1)))]  # first token + 7 full steps of 3
     out = offline_acceptance(None, draft_dir, k=k, sequences=seqs, dtype="float32", device="cpu", model=target, progress=False)
     assert out["acceptance_length"] == pytest.approx(k + 1) and out["per_position"] == [1.0, 1.0]
@@ -289,7 +280,7 @@ def test_offline_generates_greedy_sequences_when_none_given(tiny, tmp_path):
 
 RUNS = {
     "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
-                 "answers": [{"token_ids": [1, 2], "prompt_token_ids": [0]}]},
+                 "answers": [{"completion_token_ids": [1, 2], "prompt_token_ids": [0]}]},
     "eagle3": {"output_tokens_per_s": 180.0, "acceptance_length": 2.5, "acceptance_rate": 0.5,
                "per_position": [0.8, 0.45, 0.25], "answers": []},
     "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 1.3, "acceptance_rate": 0.1,
@@ -389,7 +380,7 @@ def test_log_ticks_are_round():
 
 
 def test_load_warning_names_unreliable_throughput(monkeypatch):
-    monkeypatch.setattr(validate.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
     busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}})
     assert [w["kind"] for w in busy] == ["load"] and "unreliable" in busy[0]["message"]
     assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
@@ -417,7 +408,7 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # 
     run(data, tmp_path / "train")
     ckpt = tmp_path / "train" / "checkpoint.safetensors"
     export_draft(ckpt, tmp_path / "draft")
-    assert validate.export_differences(tmp_path / "draft", ckpt) == []
+    assert export_differences(tmp_path / "draft", ckpt) == []
 
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
@@ -426,12 +417,11 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # 
     tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
     tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]))  # target ids instead of offsets
     save_file(tensors, str(tmp_path / "draft" / "model.safetensors"))
-    diffs = validate.export_differences(tmp_path / "draft", ckpt)
+    diffs = export_differences(tmp_path / "draft", ckpt)
     assert any("aux layer ids" in x for x in diffs) and any("norm_before_residual" in x for x in diffs)
     assert any("not offsets" in x for x in diffs)
-    report = {"eagle3": {"acceptance_length": 1.0}, "offline": {"acceptance_length": 2.0},
-              "checks": {"export_vs_training": diffs}}
-    found = findings(report)
+    found = findings({"eagle3": {"acceptance_length": 1.0}, "offline": {"acceptance_length": 2.0},
+                      "checks": {"export_vs_training": diffs}})
     assert [w["kind"] for w in found] == ["disagreement", "export"]
     causes = found[0]["causes"]
     assert "FOUND" in causes[0] and "FOUND" in causes[1] and "FOUND" in causes[2]
@@ -441,13 +431,13 @@ def test_client_counts_tokens_and_repeats_until_min_seconds():
     from stub_server import MODEL, StubServer
 
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(5)]
-    body = validate.request_body(16)
+    body = validate.request_settings(16)
     with StubServer(delay=0.05, answer_tokens=10) as stub:
         one = validate.run_requests(stub.url, MODEL, prompts, body, concurrency=2)
-        tokens = sum(len(a["token_ids"]) for a in one["answers"])
+        tokens = sum(len(a["completion_token_ids"]) for a in one["answers"])
         assert one["passes"] == 1 and one["requests"] == 5 and one["completion_tokens"] == tokens > 0
         assert [a["id"] for a in one["answers"]] == [p["id"] for p in prompts]
-        assert all(a["token_ids"] and a["prompt_token_ids"] for a in one["answers"])
+        assert all(a["completion_token_ids"] and a["prompt_token_ids"] for a in one["answers"])
         assert one["output_tokens_per_s"] == pytest.approx(tokens / one["wall_s"], rel=0.01)
         more = validate.run_requests(stub.url, MODEL, prompts, body, concurrency=5, min_seconds=0.3)
         assert more["passes"] >= 2 and more["wall_s"] >= 0.3 and more["completion_tokens"] == tokens * more["passes"]
@@ -455,11 +445,21 @@ def test_client_counts_tokens_and_repeats_until_min_seconds():
 
 
 def test_client_retries_then_fails_with_the_url_and_status():
+    """Validation's requests go through the traces client: its retry policy, its error messages."""
     from stub_server import MODEL, StubServer
 
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "hello"}]}]
     with StubServer(fail_times=1, fail_status=503) as stub:  # one 503, then an answer: retried
-        assert validate.run_requests(stub.url, MODEL, prompts, validate.request_body(8))["requests"] == 1
+        assert validate.run_requests(stub.url, MODEL, prompts, validate.request_settings(8))["requests"] == 1
     with StubServer(reject_match="hello") as stub:  # a 400 is not retried
-        with pytest.raises(validate.ValidationError, match=r"request a to http://127\.0\.0\.1:\d+/v1/chat/completions failed: HTTP 400"):
-            validate.run_requests(stub.url, MODEL, prompts, validate.request_body(8))
+        with pytest.raises(validate.ValidationError,
+                           match=r"requests to http://127\.0\.0\.1:\d+ failed: .*1 of 1 requests failed; first: HTTP 400"):
+            validate.run_requests(stub.url, MODEL, prompts, validate.request_settings(8))
+
+
+def test_request_settings_are_greedy_whatever_the_generation_config_says():
+    s = validate.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "max_error_fraction": 0.1,
+                                       "chat_template_kwargs": {"enable_thinking": False},
+                                       "extra_body": {"temperature": 1.0, "top_k": 5}})
+    assert s == {"temperature": 0.0, "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False},
+                 "extra_body": {"top_k": 5}}
