@@ -12,12 +12,13 @@ import torch
 
 from .hidden import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
-from .vllm_format import draft_config_json, vllm_tensors
+from .vllm_format import draft_config_json, speculative_config, vllm_tensors
 
 
 def model_card(config, info, card, train=None) -> str:
     """A short README.md: what the draft is for, how it was made, how to serve it."""
     card = card or {}
+    serve_spec = json.dumps({**speculative_config("eagle3", 3, "."), "model": "THIS_DIR"}, separators=(",", ":"))
     lines = [
         f"# EAGLE-3 draft for {card.get('target', info.get('target', 'the target'))}",
         "",
@@ -49,8 +50,7 @@ def model_card(config, info, card, train=None) -> str:
         "Serve with vLLM:",
         "",
         "```",
-        f"vllm serve {card.get('target', info.get('target', 'TARGET'))} --speculative-config "
-        "'{\"method\":\"eagle3\",\"model\":\"THIS_DIR\",\"num_speculative_tokens\":3}'",
+        f"vllm serve {card.get('target', info.get('target', 'TARGET'))} --speculative-config '{serve_spec}'",
         "```",
         "",
     ]
