@@ -10,11 +10,11 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from .errors import ConfigError
+
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 
-class ConfigError(ValueError):
-    """A config the user wrote is wrong; the message names the key."""
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:

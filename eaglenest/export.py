@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .hidden import save_safetensors, say
+from .util import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
 from .vllm_format import draft_config_json, speculative_config, vllm_tensors
 

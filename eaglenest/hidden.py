@@ -26,42 +26,20 @@ What training needs of the target's head is saved once, beside the shards, by
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from .errors import DiskSpaceError
 from .target import AuxCapture, decoder_of, load_target, load_target_head, save_target_head, target_info  # noqa: F401  (load_target_head, save_target_head: the scripts' import path)
+from .util import progress_bar, say
 
 FORMAT = "eaglenest.hidden/1"
 STORE_DTYPE = torch.bfloat16
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
-
-
-def say(message):
-    """One line for the rule's log (stderr, where the progress bars go too)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-class DiskSpaceError(OSError):
-    """Not enough free disk for a shard: the message says needed vs free bytes and where."""
-
-
-def save_safetensors(tensors, path, metadata=None):
-    """Write a safetensors file atomically (a ``.partial`` renamed into place), readable by all
-    (safetensors itself creates files 0600)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- trace records
@@ -261,7 +239,7 @@ def extract_hidden(
     writer = _ShardWriter(out_path, specs, metadata)
     capture = AuxCapture(decoder, aux_layers)
     n_loss = sum(len(ids) - n_prompt for ids, n_prompt in seqs)
-    bar = tqdm(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
+    bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
 
     def write_batch(batch, aux, last):
         for b, k in enumerate(batch):

@@ -13,11 +13,9 @@ import time
 
 import torch
 
+from .errors import ValidationError
+from .util import progress_bar
 from .vllm_format import acceptance, draft_config_from_json, served_aux_layers, state_dict_from_vllm
-
-
-class DraftLoadError(ValueError):
-    """An exported draft whose tensors do not fit its config.json; the message names the directory."""
 
 
 def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device="cpu"):
@@ -31,7 +29,7 @@ def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device=
     model = Eagle3Draft(cfg)
     missing, unexpected = model.load_state_dict(state_dict_from_vllm(tensors, cfg), strict=False)
     if unexpected or [m for m in missing if m != "embed_weight"]:
-        raise DraftLoadError(f"{draft_dir}: tensors do not fit an EAGLE-3 draft (missing {missing}, unexpected {unexpected})")
+        raise ValidationError(f"{draft_dir}: tensors do not fit an EAGLE-3 draft (missing {missing}, unexpected {unexpected})")
     model.to(device)
     # Weights in the serving dtype; the rope frequencies stay float32 (vLLM builds its cos/sin cache
     # in float32 too): a bf16 inv_freq turns far positions by a visible angle.
@@ -88,8 +86,6 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
     share of completion tokens that the transformers target would also choose (below 1: the
     sequences are not this target's greedy answers, e.g. served in another dtype).
     """
-    from tqdm import tqdm
-
     from .target import greedy_sequences, load_target, resolve_device, target_states
 
     t0 = time.time()
@@ -107,7 +103,7 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
         tokenizer = AutoTokenizer.from_pretrained(target)
         sequences = greedy_sequences(model, tokenizer, prompts, max_tokens, chat_template_kwargs)
     accepted, agree, total = [], 0, 0
-    for prompt_ids, completion in tqdm(sequences, desc="offline", unit="seq", disable=not progress):
+    for prompt_ids, completion in progress_bar(sequences, desc="offline", unit="seq", disable=not progress):
         if not completion:
             continue
         tokens = list(prompt_ids) + list(completion)

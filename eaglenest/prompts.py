@@ -24,9 +24,11 @@ import heapq
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
+
+from .errors import PromptsError, RowError
+from .util import progress_bar, write_atomic
 
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")
@@ -57,16 +59,6 @@ EXTENSIONS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz"
 PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
 
 
-class PromptsError(ValueError):
-    """A problem the user can fix: the message names the dataset, column or row and what to do."""
-
-
-class RowError(ValueError):
-    """A row that cannot give a question; `reason` is one of REASONS. Counted, never fatal."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +398,7 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         "keep_system": keep_system,
         "max_prompt_chars": max_prompt_chars,
     }
-    _write_text(out / "stats.json", json.dumps(stats, indent=2) + "\n")
+    write_atomic(out / "stats.json", stats)
     print(summary(stats), file=sys.stderr, flush=True)
     return stats
 
@@ -428,26 +420,12 @@ def summary(stats: dict) -> str:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    _write_text(path, "".join(line + "\n" for line in lines))
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write whole or not at all: a reader never sees half a shard, even after a crash."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def _bar(total: int, progress: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc="prompts", unit="row", file=sys.stderr, mininterval=5,
-                disable=not progress or total < PROGRESS_MIN_ROWS)
+    return progress_bar(total=total, desc="prompts", unit="row",
+                        disable=not progress or total < PROGRESS_MIN_ROWS)
 
 
 @contextlib.contextmanager

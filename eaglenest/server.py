@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import vllm_format
+from .errors import ServerError
+from .util import say, write_atomic
 
 # A GPU with more memory in use than this is taken to be busy (the driver alone holds a few MiB).
 GPU_BUSY_MIB = 1024
@@ -35,10 +37,6 @@ STOP_GRACE_S = 30.0
 # A server never inherits them; server.env can still set them.
 THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
-
-
-class ServerError(RuntimeError):
-    """A server problem a user can fix; the message says what failed, where, and what to do."""
 
 
 @dataclass
@@ -233,7 +231,7 @@ class LocalPaths:
         return self.log_dir / "vllm.log"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -262,7 +260,7 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None = None,
-                sentinel: str | Path | None = None, log=print) -> dict:
+                sentinel: str | Path | None = None, log=say) -> dict:
     """Start vLLM in its own process group, or reuse a healthy server this workflow started before.
 
     `sentinel` (server.ready) is removed whenever the server is stopped, so it never describes a
@@ -271,7 +269,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key()
     record = read_pidfile(paths)
-    if record and _alive(record["pid"]):
+    if record and alive(record["pid"]):
         if record.get("port") == cfg.port and is_serving(cfg.local_url, cfg.model_id, api_key):
             log(f"reusing the server this workflow started before (pid {record['pid']}, {cfg.local_url})")
             return record
@@ -314,26 +312,26 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         record["watchdog_pid"] = watchdog.pid
-    _write_json_atomic(paths.pidfile, record)
+    write_atomic(paths.pidfile, record, indent=1)
     log(f"started vLLM (pid {proc.pid}) on {cfg.local_url}; log: {paths.log}")
     return record
 
 
-def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> bool:
+def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=say) -> bool:
     """Stop the server this workflow started (its whole process group). True if one was running."""
     record = read_pidfile(paths)
     if record is None:
         return False
-    pgid, was_running = record.get("pgid", record["pid"]), _alive(record["pid"])
+    pgid, was_running = record.get("pgid", record["pid"]), alive(record["pid"])
     if was_running:
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while _alive(record["pid"]) and time.monotonic() < deadline:
+        while alive(record["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
     # vLLM's engine processes share the group; make sure none lingers holding a GPU.
-    _signal_group(pgid, signal.SIGKILL)
+    signal_group(pgid, signal.SIGKILL)
     if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
-        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+        signal_group(record["watchdog_pid"], signal.SIGTERM)
     paths.pidfile.unlink(missing_ok=True)
     if record.get("sentinel"):
         Path(record["sentinel"]).unlink(missing_ok=True)
@@ -342,7 +340,7 @@ def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> b
     return was_running
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
@@ -361,7 +359,7 @@ def log_tail(path: str | Path, lines: int = 40) -> str:
 # Waiting for readiness
 
 
-def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) -> dict:
+def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=say) -> dict:
     """Poll /v1/models every `poll_interval` s until every URL lists the model (or `ready_timeout`).
 
     In local mode a dead process fails within one poll, with the tail of its log."""
@@ -372,7 +370,7 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) ->
     pending, infos = list(urls), {}
     last_report = 0.0
     while pending:
-        if record and not _alive(record["pid"]):
+        if record and not alive(record["pid"]):
             paths.pidfile.unlink(missing_ok=True)
             raise ServerError(f"vLLM (pid {record['pid']}) exited before it was ready. "
                               f"Last lines of {paths.log}:\n{log_tail(paths.log)}")
@@ -409,14 +407,8 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) ->
     return ready
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def write_sentinel(path: str | Path, ready: dict) -> None:
-    _write_json_atomic(Path(path), ready)
+    write_atomic(path, ready, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +417,8 @@ def write_sentinel(path: str | Path, ready: dict) -> None:
 
 def watch(workflow_pid: int, server_pid: int, log_dir: Path, interval: float = 2.0) -> None:
     paths = LocalPaths(log_dir)
-    while _alive(server_pid):
-        if not _alive(workflow_pid):
+    while alive(server_pid):
+        if not alive(workflow_pid):
             record = read_pidfile(paths)
             if record and record["pid"] == server_pid:
                 stop_local(paths, log=lambda *_: None)

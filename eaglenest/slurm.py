@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglenest.server import (ServerConfig, ServerError, _alive, _signal_group, _write_json_atomic, log_tail,
-                              probe, vllm_command)
+from .errors import ServerError
+from .server import ServerConfig, alive, log_tail, probe, signal_group, vllm_command
+from .util import say, write_atomic
 
 JOB_PREFIX = "eaglenest-server-"
 # States in which a job may still serve; anything else means it has ended (or is ending).
@@ -215,7 +216,7 @@ def _job_env(cfg: ServerConfig, api_key: str | None) -> dict:
 
 def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, paths: SlurmPaths, *,
                   workdir: str | Path | None = None, workflow_pid: int | None = None,
-                  sentinel: str | Path | None = None, log=print) -> dict:
+                  sentinel: str | Path | None = None, log=say) -> dict:
     """Submit vLLM as a SLURM job, or reuse the pending/running job this workflow submitted before.
 
     Returns the record (also written to paths.record): job_id, name, log, port, model, ...
@@ -269,7 +270,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
              "--job-id", record["job_id"], "--log-dir", str(paths.log_dir.resolve())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         record.update(workflow_pid=workflow_pid, watchdog_pid=watchdog.pid)
-    _write_json_atomic(paths.record, record)
+    write_atomic(paths.record, record, indent=1)
     return record
 
 
@@ -277,7 +278,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
 # Waiting
 
 
-def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
+def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=say) -> dict:
     """Wait until the server job runs and serves the model; returns what server.ready holds.
 
     Queue time is unbounded (reported every 30 s with SLURM's reason, and fatal when the reason says
@@ -312,7 +313,7 @@ def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
                 running_since, queued_s = now, now - t0
                 url = f"http://{node_address(info['node'])}:{record['port']}"
                 record.update(node=info["node"], url=url)
-                _write_json_atomic(paths.record, record)
+                write_atomic(paths.record, record, indent=1)
                 log(f"SLURM job {job_id} runs on {info['node']}; waiting for {url}")
             try:
                 served = probe(url, api_key, timeout=min(10.0, cfg.poll_interval + 5))
@@ -344,7 +345,7 @@ def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
 # Cancelling
 
 
-def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=print) -> bool:
+def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=say) -> bool:
     """scancel the server job this workflow submitted; True if it was still queued or running.
 
     Waits up to `grace_s` for the job to leave RUNNING, so GPUs are free when this returns."""
@@ -364,7 +365,7 @@ def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=print)
             time.sleep(0.5)
         log(f"cancelled the server's SLURM job {job_id}")
     if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
-        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+        signal_group(record["watchdog_pid"], signal.SIGTERM)
     paths.record.unlink(missing_ok=True)
     if record.get("sentinel"):
         Path(record["sentinel"]).unlink(missing_ok=True)
@@ -381,7 +382,7 @@ def watch(workflow_pid: int, job_id: str, log_dir: Path, interval: float = 10.0)
             info = {"state": "UNKNOWN"}  # slurmctld briefly unreachable: look again later
         if info is None or info["state"] not in ALIVE | {"UNKNOWN"}:
             return
-        if not _alive(workflow_pid):
+        if not alive(workflow_pid):
             record = read_record(paths)
             if record and record["job_id"] == job_id:
                 cancel_server(paths, log=lambda *_: None)

@@ -143,7 +143,7 @@ def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
             "norm.weight": decoder_of(model).norm.weight,
         }
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    from .hidden import save_safetensors
+    from .util import save_safetensors
 
     save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
     Path(head_path).with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")

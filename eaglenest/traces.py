@@ -30,11 +30,12 @@ import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-from .server import ServerError, probe
+from .errors import ServerError, TracesError
+from .server import probe
+from .util import progress_bar, write_atomic
 from .vllm_format import reasoning_of
 
 import aiohttp
-from tqdm import tqdm
 
 __all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
 
@@ -59,8 +60,6 @@ ERROR_BODY_CHARS = 2000
 KEEPALIVE_S = 4.0
 
 
-class TracesError(RuntimeError):
-    """A failure the user can fix (server down, bad shard, too many failed requests)."""
 
 
 def fingerprint(model, generation=None):
@@ -261,8 +260,8 @@ class _ShardRun:
                        f"{first['body'][:300]}; all of them are in {self.errors_path}; "
                        f"finished records are kept in {self.partial_path}; fix the cause and rerun")
         stats = self._stats(wall, complete=failure is None)
-        _write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
-        _write_atomic(self.stats_path, (json.dumps(stats, indent=2) + "\n").encode())
+        write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
+        write_atomic(self.stats_path, stats)
         print(self._summary(stats), file=sys.stderr, flush=True)
         if failure is not None:
             raise TracesError(failure)
@@ -285,10 +284,8 @@ class _ShardRun:
                 await self._preflight()
             except TracesError as e:
                 return str(e)
-            interactive = sys.stderr.isatty()
-            self.pbar = tqdm(total=len(self.prompts), initial=len(self.index), desc=self.shard, unit="req",
-                             file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
-                             mininterval=0.5 if interactive else 30.0, smoothing=0.1)
+            self.pbar = progress_bar(total=len(self.prompts), initial=len(self.index), desc=self.shard, unit="req",
+                                     disable=not self.progress, smoothing=0.1)
             self.t_send = time.monotonic()
             queue = iter(todo)  # shared by the workers; safe: one thread, no await between next() calls
             workers = [asyncio.create_task(self._worker(queue)) for _ in range(min(g["concurrency"], len(todo)))]
@@ -697,16 +694,6 @@ def _sibling(output_path, suffix):
 
 def _json_line(obj):
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-
-
-def _write_atomic(path, data):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path):

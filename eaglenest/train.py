@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from .hidden import HiddenShards, save_safetensors, say
+from .hidden import HiddenShards
 from .model import DraftConfig, Eagle3Draft
 from .target import load_target_head, resolve_device
+from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
@@ -183,10 +183,8 @@ def _state_files(state_dir):
 
 
 def _save_state(state_dir, step, state, keep):
-    path = Path(state_dir) / f"step_{step}.pt"
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_path(Path(state_dir) / f"step_{step}.pt", fsync=False) as tmp:
+        torch.save(state, tmp)
     for old in _state_files(state_dir)[keep:]:
         old.unlink(missing_ok=True)
 
@@ -196,11 +194,7 @@ def _write_metrics(path, rows):
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomic(path, buf.getvalue())
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True) -> dict:
@@ -270,7 +264,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     stream = micro_batch_stream(lengths, cfg, start=step * accum * world)
     n_tokens_total = 0
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
+    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
     while step < total_steps:
         t0 = time.time()
         for g in opt.param_groups:

@@ -24,10 +24,11 @@ import threading
 import time
 from pathlib import Path
 
+from .errors import ServerError, TracesError, ValidationError
 from .predict import offline_acceptance
 from .report import WARN_BELOW, build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
-from .server import LocalPaths, ServerConfig, ServerError, get_text, start_local, stop_local, wait_ready
-from .traces import GENERATION_DEFAULTS, TracesError, answer_prompts
+from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
+from .traces import GENERATION_DEFAULTS, answer_prompts
 from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, served_dtype, spec_counters, speculative_config
 
 DEFAULTS = {
@@ -43,8 +44,6 @@ DEFAULTS = {
 }
 
 
-class ValidationError(RuntimeError):
-    """A validation step failed in a way the user can act on; the message says what and where."""
 
 
 # ----------------------------------------------------------------------------- /metrics

@@ -114,7 +114,7 @@ def test_watchdog_stops_server_when_workflow_dies(tmp_path):
 
 
 def _alive(pid):
-    from eaglenest.server import _alive as alive
+    from eaglenest.server import alive
     return alive(pid)
 
 
