@@ -58,7 +58,7 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, info: dict, draft_vocab_size: int, **overrides):
-        """Sizes default to the target's (``info`` as in hidden.target_info); ``overrides`` win when not None."""
+        """Sizes default to the target's (``info`` as in target.target_info); ``overrides`` win when not None."""
         cfg = {
             "hidden_size": info["hidden_size"],
             "intermediate_size": info["intermediate_size"],
