@@ -135,3 +135,27 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # 
     assert [w["kind"] for w in found] == ["disagreement", "export"]
     causes = found[0]["causes"]
     assert "FOUND" in causes[0] and "FOUND" in causes[1] and "FOUND" in causes[2]
+
+
+def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
+    """Outputs equal to the baseline's, finish reasons, and vLLM's prompt tokens against the
+    tokenizer's chat template (the shipped toy target's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from conftest import TOY_TARGET
+    from eaglenest.report import cross_checks
+    from eaglenest.target import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    prompts = [{"messages": [{"role": "user", "content": "What is 2+3?"}]},
+               {"messages": [{"role": "user", "content": "What is 7*8?"}]}]
+    base = [{"prompt_token_ids": chat_prompt_ids(tok, p["messages"]), "completion_token_ids": [5, 6],
+             "finish_reason": "stop"} for p in prompts]
+    base[1]["prompt_token_ids"] = base[1]["prompt_token_ids"][:-1]  # vLLM templated this one differently
+    runs = {"baseline": {"answers": base, "served_dtype": "bfloat16"}, "eagle3": {"answers": base},
+            "ngram": {"answers": [dict(a, completion_token_ids=[5]) for a in base]}}
+    checks = cross_checks(TOY_TARGET, prompts, runs, {}, {"dtype": "float32", "target_agreement": 1.0})
+    assert checks["prompt_template_mismatches"] == 1 and checks["finish_reasons"] == {"stop": 2}
+    assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
+    assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")
+    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2})] == ["template", "dtype"]
