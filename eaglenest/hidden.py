@@ -169,7 +169,6 @@ def extract_hidden(
     batch_tokens=16384,
     device="auto",
     dtype="bfloat16",
-    head_path=None,
     progress=True,
     model=None,
 ) -> dict:
@@ -177,9 +176,8 @@ def extract_hidden(
 
     ``target`` is a transformers model directory or hub name (``model``, an already loaded target,
     skips loading). ``dtype`` is the dtype the target runs in: bf16 matches what vLLM serves with
-    ``--dtype auto`` (it downcasts fp32 checkpoints). ``head_path``, when given, also saves the target
-    head there (``save_target_head``). Refuses with ``DiskSpaceError`` before any work when the disk
-    is short. Returns counts, bytes and speed.
+    ``--dtype auto`` (it downcasts fp32 checkpoints). Refuses with ``DiskSpaceError`` before any work
+    when the disk is short. Returns counts, bytes and speed.
     """
     from transformers import AutoConfig
 
@@ -214,8 +212,6 @@ def extract_hidden(
 
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
-    if head_path is not None:
-        save_target_head(target, head_path, aux_layers=aux_layers, model=model)
     decoder = decoder_of(model)
     first_device = model.get_input_embeddings().weight.device
 

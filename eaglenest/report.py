@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .config import defaults
 from .vllm_format import config_value, state_dict_from_vllm
 
 
@@ -29,7 +30,7 @@ from .vllm_format import config_value, state_dict_from_vllm
 # ----------------------------------------------------------------------------- the findings
 
 # vLLM's acceptance length below this share of the offline prediction is reported as a disagreement.
-WARN_BELOW = 0.8
+WARN_BELOW = defaults("validate")["warn_below"]
 # The usual reasons a draft does worse in vLLM than offline or than in training, each with the
 # check (in report["checks"]) that speaks to it.
 LIKELY_CAUSES = {

@@ -27,11 +27,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from .config import schema_field
 from .errors import ServerError
-from .server import ServerConfig, alive, log_tail, probe, signal_group, vllm_command
+from .server import ServerConfig, alive, check_model_path, launch_env, log_tail, probe, signal_group, vllm_command
 from .util import say, write_atomic
 
 JOB_PREFIX = "eaglenest-server-"
@@ -49,13 +50,13 @@ REPORT_EVERY_S = 30.0
 class SlurmSettings:
     """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
 
-    partition: str | None = None        # None: $SBATCH_PARTITION, else the cluster's default
-    account: str | None = None          # None: $SBATCH_ACCOUNT, else none
-    time: str | int = "24:00:00"        # sbatch --time; an int is minutes
-    cpus: int = 8                       # --cpus-per-task of the one task
-    mem: str | int | None = None        # --mem (e.g. "200G"; an int is MB); None: the cluster's default
-    gpus: int | None = None             # --gres=gpu:N; None: server.tensor_parallel_size
-    extra_sbatch_args: list[str] = field(default_factory=list)   # e.g. ["--qos=high", "--constraint=h200"]
+    partition: str | None = schema_field("server.slurm", "partition")  # None: $SBATCH_PARTITION, else the cluster's default
+    account: str | None = schema_field("server.slurm", "account")      # None: $SBATCH_ACCOUNT, else none
+    time: str | int = schema_field("server.slurm", "time")             # sbatch --time; an int is minutes
+    cpus: int = schema_field("server.slurm", "cpus")                   # --cpus-per-task of the one task
+    mem: str | int | None = schema_field("server.slurm", "mem")        # --mem (e.g. "200G"; an int is MB)
+    gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: tensor_parallel_size
+    extra_sbatch_args: list[str] = schema_field("server.slurm", "extra_sbatch_args")  # e.g. ["--qos=high"]
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SlurmSettings":
@@ -204,16 +205,6 @@ def read_record(paths: SlurmPaths) -> dict | None:
         return None
 
 
-def _job_env(cfg: ServerConfig, api_key: str | None) -> dict:
-    # SLURM_* of an enclosing allocation would leak into the new job's settings.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update({k: str(v) for k, v in cfg.env.items()})
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if api_key:
-        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the script
-    return env
-
-
 def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, paths: SlurmPaths, *,
                   workdir: str | Path | None = None, workflow_pid: int | None = None,
                   sentinel: str | Path | None = None, log=say) -> dict:
@@ -224,6 +215,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     `sentinel` (server.ready) is removed whenever the job is cancelled."""
     if not isinstance(settings, SlurmSettings):
         settings = SlurmSettings.from_dict(settings)
+    check_model_path(cfg.model)
     workdir = Path(workdir or os.getcwd()).resolve()
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key()
@@ -250,7 +242,10 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     else:
         args = sbatch_command(cfg, settings, paths, workdir)
         args[1:1] = ["--comment", comment]
-        out = _slurm(args, input=batch_script(cfg), env=_job_env(cfg, api_key), check=False)
+        # The job gets the one server launch environment (--export=ALL); SLURM_* of an enclosing
+        # allocation would leak into the new job's settings.
+        env = launch_env(cfg, api_key, drop_prefixes=("SLURM_",))
+        out = _slurm(args, input=batch_script(cfg), env=env, check=False)
         if out.returncode != 0:
             why = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())
             raise ServerError(f"sbatch refused the server job: {why}\n  sbatch call: {shlex.join(args)}\n"

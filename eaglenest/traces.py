@@ -23,36 +23,26 @@ import hashlib
 import json
 import os
 import random
-import sys
 import time
 import urllib.error
 import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
+from .config import defaults
 from .errors import ServerError, TracesError
 from .server import probe
-from .util import progress_bar, write_atomic
+from .util import progress_bar, say, write_atomic
 from .vllm_format import reasoning_of
 
 import aiohttp
 
 __all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
 
-GENERATION_DEFAULTS = {
-    "max_tokens": 8192,
-    "concurrency": 200,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "seed": 0,
-    "chat_template_kwargs": None,
-    "request_timeout": 3600.0,  # seconds: an 8k-token answer on a loaded server takes minutes
-    "max_retries": 8,
-    "backoff_base": 1.0,
-    "backoff_max": 60.0,
-    "extra_body": None,
-}
-# The settings that change the answers; they, and only they, name the partial file.
+# The `generation:` section of the config; its keys and defaults are the schema's (the only place).
+GENERATION_DEFAULTS = defaults("generation")
+# The settings that change the answers; they, and only they, name the partial file, and a change to
+# one of them reruns the traces (rules/common.smk reads this list too).
 ANSWER_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ERROR_BODY_CHARS = 2000
@@ -70,8 +60,7 @@ def fingerprint(model, generation=None):
 
 
 def generate_shard(prompts_path, output_path, *, urls, model, generation, api_key=None,
-                   partial_dir=None, errors_path=None, stats_path=None, max_error_fraction=0.02,
-                   progress=True):
+                   partial_dir=None, errors_path=None, stats_path=None, progress=True):
     """Answer every prompt of `prompts_path` and write `output_path` once the shard is complete.
 
     prompts_path: JSONL of {"id", "source", "messages": [{"role", "content"}, ...]}; a repeated
@@ -80,14 +69,14 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         reasoning, content, finish_reason, truncated, prompt_token_ids, completion_token_ids,
         usage, latency_s, server, attempts.
     urls: base URLs of the replicas (http://host:port, with or without /v1).
-    generation: GENERATION_DEFAULTS' keys, all optional.
+    generation: the `generation:` config (GENERATION_DEFAULTS' keys), all optional.
     partial_dir: where the partial file lives (default: <output dir>/partial/).
     errors_path: this run's failed requests, {id, status, body, server, attempts} per line
         (default: <output>.errors.jsonl); written, possibly empty, at the end of every run.
     stats_path: the returned stats as JSON (default: <output>.stats.json).
 
     Raises TracesError when every server stops answering, a server lacks return_token_ids, or
-    more than `max_error_fraction` of the shard's requests fail; the finished records stay in the
+    more than `generation.max_error_fraction` of the shard's requests fail; the finished records stay in the
     partial file for the rerun, which sends only what is missing.
     """
     prompts_path, output_path = Path(prompts_path), Path(output_path)
@@ -110,7 +99,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         gen=gen,
         api_key=api_key,
         fingerprint=fp,
-        max_error_fraction=max_error_fraction,
+        max_error_fraction=gen["max_error_fraction"],
         progress=progress,
     )
     return asyncio.run(run.main())
@@ -262,7 +251,7 @@ class _ShardRun:
         stats = self._stats(wall, complete=failure is None)
         write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
         write_atomic(self.stats_path, stats)
-        print(self._summary(stats), file=sys.stderr, flush=True)
+        say(self._summary(stats))
         if failure is not None:
             raise TracesError(failure)
         self._write_output()
@@ -541,8 +530,8 @@ class _ShardRun:
         self.partial = f
         self.resumed = len(self.index)
         if bad:
-            print(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
-                  "their prompts are sent again", file=sys.stderr)
+            say(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
+                "their prompts are sent again")
 
     def _write_output(self):
         """Copy the finished records into the output, in prompt order, atomically."""
@@ -616,6 +605,8 @@ class _ShardRun:
 
 
 def _generation_settings(generation):
+    """The `generation:` config checked and completed with the schema's defaults (a None value takes
+    the default); numbers that may be written as ints are floats, so 0 and 0.0 fingerprint alike."""
     unknown = sorted(set(generation or {}) - set(GENERATION_DEFAULTS))
     if unknown:
         raise TracesError(f"generation settings {unknown} are not known; known: {sorted(GENERATION_DEFAULTS)}")
@@ -625,7 +616,7 @@ def _generation_settings(generation):
             raise TracesError(f"generation.{key} must be a positive integer, got {g[key]!r}")
     if not isinstance(g["max_retries"], int) or g["max_retries"] < 0:
         raise TracesError(f"generation.max_retries must be an integer >= 0, got {g['max_retries']!r}")
-    for key in ("temperature", "top_p", "request_timeout", "backoff_base", "backoff_max"):
+    for key in ("temperature", "top_p", "request_timeout", "backoff_base", "backoff_max", "max_error_fraction"):
         try:  # as floats, so that 0 and 0.0 give one fingerprint
             g[key] = float(g[key])
         except (TypeError, ValueError):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .config import defaults
 from .hidden import HiddenShards
 from .model import DraftConfig, Eagle3Draft
 from .target import load_target_head, resolve_device
@@ -30,31 +31,10 @@ from .vocab import load_vocab
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
-DEFAULTS = {
-    "ttt_length": 7,
-    "ttt_decay": 0.8,  # step j weighs decay**j
-    "lr": 1e-4,
-    "min_lr_ratio": 0.0,  # cosine decays to lr * min_lr_ratio
-    "warmup_steps": None,  # None: 5% of the steps
-    "epochs": 1,
-    "max_steps": None,  # when set, wins over epochs
-    "batch_tokens": 8192,  # padded tokens (sequences x longest) per micro-batch
-    "batch_size": None,  # optional cap on sequences per micro-batch
-    "grad_accum": 1,
-    "clip": 0.5,
-    "weight_decay": 0.0,
-    "seed": 0,
-    "norm_before_residual": False,
-    "intermediate_size": None,  # draft sizes: None = the target's
-    "num_attention_heads": None,
-    "num_key_value_heads": None,
-    "head_dim": None,
-    "init_from_target": True,  # start lm_head (draft-vocab rows) and norm from the target's
-    "save_every": 100,  # steps between resumable states
-    "keep_states": 2,
-    "loss_chunk": 4096,  # rows of draft logits alive at once in the loss
-    "attention": "sdpa",  # "flex": block-sparse training-time-test attention on CUDA (model.ttt_block_mask)
-}
+# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
+# documents each one and holds its default (the only place it is written).
+DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
+            "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
 
 def resolve_config(config):

@@ -24,26 +24,15 @@ import threading
 import time
 from pathlib import Path
 
+from .config import defaults
 from .errors import ServerError, TracesError, ValidationError
 from .predict import offline_acceptance
-from .report import WARN_BELOW, build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
+from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
 from .traces import GENERATION_DEFAULTS, answer_prompts
 from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, served_dtype, spec_counters, speculative_config
 
-DEFAULTS = {
-    "num_speculative_tokens": 3,
-    "max_tokens": None,  # None: generation.max_tokens
-    "concurrency": 8,
-    "warmup_requests": 2,
-    "min_seconds": 10.0,  # resend the prompt set until the timed window is this long
-    "port": None,  # None: server.port
-    "ngram": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "offline": {"tokens": "generate", "dtype": None, "device": "auto"},
-    "warn_below": WARN_BELOW,
-}
-
-
+DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
 
 # ----------------------------------------------------------------------------- /metrics

@@ -1,24 +1,23 @@
-# Config validation, paths and helpers shared by every rule file.
+# Config validation, paths and helpers shared by the rule files (the Snakefile includes this first).
 import os
 import shutil
 import sys
-from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
-# Rule scripts import the eaglenest package from this checkout, also inside conda environments.
+# Rule scripts (and the processes they start: watchdogs, torchrun) import the eaglenest package from
+# this checkout, also inside conda environments. This sets PYTHONPATH for them; it requires nothing of
+# the caller's environment, so there is no `envvars:` to declare.
 sys.path.insert(0, workflow.basedir)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
-)
+os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p))
 # The process that owns the local server: its watchdog stops the server when this process dies.
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
 from eaglenest.config import ConfigError, validate_config
-from eaglenest.server import LocalPaths, ServerConfig, stop_local
-from eaglenest.slurm import SlurmPaths, cancel_server
+from eaglenest.server import ServerConfig, stop_server
+from eaglenest.traces import ANSWER_SETTINGS
 
 try:
     config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
@@ -27,7 +26,7 @@ except ConfigError as e:
 
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
-SERVER_LOGS = LocalPaths(Path("logs/server"))
+SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
@@ -42,7 +41,7 @@ def all_cores():
 
 
 def gpus(section):
-    """GPUs a rule asks for: `<section>.gpus`, else one where this machine has a GPU."""
+    """GPUs for the jobs of one config section: `<section>.gpus`, else one where this machine has a GPU."""
     n = config[section].get("gpus")
     return int(HAS_GPU) if n is None else n
 
@@ -68,8 +67,7 @@ def hidden_output(path):
 
 def answer_settings():
     """The settings that change the answers (the served model included): a change reruns the traces."""
-    keys = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
-    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in keys}}
+    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in ANSWER_SETTINGS}}
 
 
 def dataset_files(wildcards):
@@ -80,8 +78,4 @@ def dataset_files(wildcards):
 
 def stop_server_on_exit(why):
     """The server never outlives the workflow by accident (unless server.keep_server is set)."""
-    log = lambda m: logger.info(f"eaglenest: {m} ({why})")
-    if SERVER.mode == "local" and not SERVER.keep_server:
-        stop_local(SERVER_LOGS, log=log)
-    elif SERVER.mode == "slurm" and not SERVER.keep_server:
-        cancel_server(SlurmPaths(SERVER_LOGS.log_dir), log=log)
+    stop_server(SERVER, SERVER_LOG_DIR, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))

@@ -50,3 +50,21 @@ def test_every_user_error_shares_one_base_and_keeps_its_old_base():
     user_errors = [c for c in vars(errors).values() if isinstance(c, type) and c.__module__ == errors.__name__]
     assert len(user_errors) >= 8
     assert all(issubclass(c, errors.EaglenestError) for c in user_errors)
+
+
+@pytest.mark.parametrize("error, one_line", [("ConfigError('server.model is wrong: fix it')", True),
+                                             ("KeyError('a bug')", False)])
+def test_a_user_error_reaches_the_rule_log_as_one_message_a_bug_as_a_traceback(tmp_path, error, one_line):
+    import subprocess
+    import sys
+
+    log = tmp_path / "rule.log"
+    script = ("from eaglenest.logs import to_log\nfrom eaglenest.errors import ConfigError\n"
+              f"to_log({str(log)!r})\nraise {error}\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    text = log.read_text()
+    if one_line:
+        assert text == "error: server.model is wrong: fix it\n"
+    else:
+        assert "Traceback" in text and "KeyError: 'a bug'" in text

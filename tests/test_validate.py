@@ -74,7 +74,7 @@ def test_client_retries_then_fails_with_the_url_and_status():
 
 
 def test_request_settings_are_greedy_whatever_the_generation_config_says():
-    s = validate.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "max_error_fraction": 0.1,
+    s = validate.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "not_a_generation_key": 0.1,
                                        "chat_template_kwargs": {"enable_thinking": False},
                                        "extra_body": {"temperature": 1.0, "top_k": 5}})
     assert s == {"temperature": 0.0, "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False},
