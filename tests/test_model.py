@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest.export import tensor_shapes
 from eaglenest.model import DraftConfig, Eagle3Draft, soft_cross_entropy, ttt_loss
+from eaglenest.vllm_format import tensor_shapes
 from eaglenest.vocab import maps_from_ids
 
 V, VD, H, J = 50, 20, 32, 4
