@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .errors import DiskSpaceError
-from .target import AuxCapture, decoder_of, load_target, load_target_head, save_target_head, target_info  # noqa: F401  (load_target_head, save_target_head: the scripts' import path)
+from .target import AuxCapture, decoder_of, load_target, target_info
 from .util import progress_bar, say
 
 FORMAT = "eaglenest.hidden/1"
