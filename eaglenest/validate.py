@@ -27,10 +27,11 @@ from pathlib import Path
 from .config import defaults
 from .errors import ServerError, TracesError, ValidationError
 from .predict import offline_acceptance
+from .export import write_validation
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
 from .traces import GENERATION_DEFAULTS, answer_prompts
-from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, served_dtype, spec_counters, speculative_config
+from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, launch, served_dtype, spec_counters, speculative_config
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
@@ -136,9 +137,11 @@ def _reap(pid: int) -> None:
 
 
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print) -> dict:
-    """Start vLLM (the target, with ``spec`` as its --speculative-config), send the prompts, read
-    the counters around the timed requests, and stop the server (its whole process group) always."""
+                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None) -> dict:
+    """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
+    the counters around the timed requests, and stop the server (its whole process group) always.
+    ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
+    served as the model) rather than ``spec``."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -172,15 +175,15 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     result.update({"seconds_to_ready": ready["seconds_to_ready"], "vllm_version": ready.get("version"),
                    "served_dtype": served_dtype(paths.log), "seconds": round(time.monotonic() - t0, 1),
                    "speculative_config": spec})
-    if spec:
-        k = spec["num_speculative_tokens"]
+    k = (spec or {}).get("num_speculative_tokens") or k
+    if k:
         result.update(acceptance(counter_delta(before, after), k))
         if result["drafts"] == 0:
             raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
                                   f"(counters {after}); speculation did not run: see {paths.log}")
     log(f"{name}: {result['completion_tokens']} tokens ({result['passes']} pass(es)) in {result['wall_s']:.1f} s "
         f"({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
-        + (f", acceptance length {result['acceptance_length']:.3f}" if spec else ""))
+        + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
     return result
 
 
@@ -195,6 +198,12 @@ def resolve_settings(validate: dict | None, generation: dict) -> dict:
     if s["max_tokens"] is None:
         s["max_tokens"] = generation["max_tokens"]
     return s
+
+
+def draft_vocabulary(draft_dir) -> dict:
+    """The draft's and the target's vocabulary sizes, from the exported config.json (either format)."""
+    config = flat_config(json.loads((Path(draft_dir) / "config.json").read_text()))
+    return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
 def read_prompts(path) -> list[dict]:
@@ -212,11 +221,16 @@ def read_prompts(path) -> list[dict]:
     return rows
 
 
-def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
+def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
                    validate: dict | None = None, target=None, hidden_dtype="bfloat16", checkpoint_path=None,
                    log_dir="logs/validate", workflow_pid=None, log=print) -> dict:
-    """The whole validation (module docstring); returns the report dict it wrote. ``checkpoint_path``
-    (the training checkpoint) adds the export-against-training check."""
+    """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
+    ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
+    measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
+    checkpoint) adds the export-against-training check."""
+    if not isinstance(drafts, dict):
+        drafts = {"vllm": drafts}
+    draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
     t0 = time.time()
     s = resolve_settings(validate, generation)
     k = s["num_speculative_tokens"]
@@ -226,18 +240,25 @@ def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, 
         srv = dataclasses.replace(srv, port=s["port"])
     target = target or srv.model
     settings = request_settings(s["max_tokens"], generation)
-    runs = {}
-    specs = {"baseline": speculative_config("baseline", k),
-             "eagle3": speculative_config("eagle3", k, draft_dir),
-             "ngram": speculative_config("ngram", k, ngram=s["ngram"])}
-    for name, spec in specs.items():
-        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k})")
+    runs, formats, launches = {}, {}, {}
+    plan = {"baseline": (srv.model, speculative_config("baseline", k))}
+    for i, (fmt, path) in enumerate(drafts.items()):
+        name = "eagle3" if i == 0 else f"eagle3_{fmt}"
+        model, spec, how = launch(fmt, path, k, srv.model)
+        plan[name], formats[fmt], launches[fmt] = (model, spec), name, how
+    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]))
+    for name, (model, spec) in plan.items():
+        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
+        # The served name stays the target's when --model is a speculators draft directory.
+        run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
         try:
-            runs[name] = measure_run(name, srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
-                                     warmup_requests=s["warmup_requests"],
-                                     min_seconds=s["min_seconds"], workflow_pid=workflow_pid, log=log)
+            runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
+                                     warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
+                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k)
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
+        if name in formats.values():
+            runs[name]["served_as"] = launches[next(f for f, n in formats.items() if n == name)]
 
     off = s["offline"]
     offline_dtype = off["dtype"] or hidden_dtype
@@ -257,14 +278,17 @@ def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, 
     curves = read_train_metrics(metrics_path)
     report = build_report(
         target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
-        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"],
+        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
         settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
                   "min_seconds": s["min_seconds"],
                   "served_model": srv.model_id, "tensor_parallel_size": srv.tensor_parallel_size,
-                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port}"},
+                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port}",
+                  **draft_vocabulary(draft_dir)},
     )
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves)
+    for fmt, path in drafts.items():
+        write_validation(path, report, fmt)
     e = report["eagle3"]
     log(f"validate_draft: EAGLE-3 acceptance length {e['acceptance_length']:.3f} in vLLM vs {offline['acceptance_length']:.3f} "
         f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f}; "
