@@ -139,6 +139,27 @@ def test_speculators_config_names_the_verifier_as_given():
     assert draft_config_from_json(config) == cfg
 
 
+@pytest.mark.parametrize("fmt, dirs", [("both", ["draft/checkpoint", "draft/speculators"]),
+                                       ("speculators", ["draft/speculators"]), ("vllm", ["draft/checkpoint"])])
+def test_export_format_picks_the_draft_dirs(tmp_path, fmt, dirs):
+    """export.format decides which directories export_draft writes and validate_draft measures."""
+    import re
+
+    write_config(tmp_path, export={"format": fmt})
+    out = run_snakemake(tmp_path, "-n", "--printshellcmds").stdout
+    blocks = {m.group(1): m.group(2) for m in re.finditer(r"rule (export_draft|validate_draft):\n(.*?)\n\n", out, re.S)}
+    outputs = re.search(r"output: (.*)", blocks["export_draft"]).group(1).split(", ")
+    assert outputs == dirs, blocks["export_draft"]
+    inputs = re.search(r"input: (.*)", blocks["validate_draft"]).group(1).split(", ")
+    assert [i for i in inputs if i in ("draft/checkpoint", "draft/speculators")] == dirs
+
+
+def test_export_format_defaults_to_both():
+    from eaglenest.config import defaults
+
+    assert defaults("export") == {"format": "both", "verifier": None, "license": None}
+
+
 # ----------------------------------------------------------------------------- real vLLM
 
 
