@@ -194,20 +194,21 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     from .train import load_checkpoint
 
     config, tensors = load_exported(export_dir)
-    config = flat_config(config)  # either format, as vLLM reads it
+    raw, config = config, flat_config(config)  # either format, as vLLM reads it
     saved, dcfg, info, _ = load_checkpoint(checkpoint_path)
     diffs = []
     ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
     if ids != list(info["aux_layers"]):
         diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info['aux_layers']}")
     if bool(config_value(config, "norm_before_residual")) != bool(dcfg.norm_before_residual):
-        shown = config.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
+        shown = raw.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
         diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "rms_norm_eps"):
         if config.get(key) != getattr(dcfg, key):
             diffs.append(f"{key}: config.json {config.get(key)}, trained with {getattr(dcfg, key)}")
-    d2t = state_dict_from_vllm(tensors, dcfg)["d2t"]  # what vLLM loads: absent means the identity
+    tensors = state_dict_from_vllm(tensors, dcfg)  # vLLM format's names; absent d2t means the identity
+    d2t = tensors["d2t"]
     if d2t.shape != saved["d2t"].shape or not torch.equal(d2t, saved["d2t"]):
         as_ids = d2t.shape == saved["d2t"].shape and torch.equal(d2t, saved["d2t"] + torch.arange(len(d2t)))
         diffs.append("d2t differs from training's" + (" (written as target ids, not offsets)" if as_ids else ""))

@@ -274,7 +274,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
 
     checks = cross_checks(target, prompts, runs, generation, offline)
     if checkpoint_path is not None:
-        checks["export_vs_training"] = export_differences(draft_dir, checkpoint_path)
+        # Every exported format against the training checkpoint, each read back as vLLM reads it.
+        checks["export_vs_training"] = [f"{fmt} format: {d}" if len(drafts) > 1 else d for fmt, path in drafts.items()
+                                        for d in export_differences(path, checkpoint_path)]
     curves = read_train_metrics(metrics_path)
     report = build_report(
         target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,

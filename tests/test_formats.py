@@ -84,6 +84,20 @@ def test_norm_before_residual_defaults_differ_between_formats(both):
     assert draft_config_from_json(vllm_config).norm_before_residual is False
 
 
+def test_export_check_reads_the_speculators_format_as_vllm_does(both, tmp_path):
+    """The report's export-against-training check reads a speculators draft with that format's
+    defaults: without norm_before_residual, vLLM would run it with true, not as trained."""
+    from eaglenest.report import export_differences
+
+    ckpt = both / "checkpoint.safetensors"
+    assert export_differences(both / "speculators", ckpt) == [] == export_differences(both / "vllm", ckpt)
+    shutil.copytree(both / "speculators", tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "s" / "config.json").write_text(json.dumps(config))
+    assert export_differences(tmp_path / "s", ckpt) == ["norm_before_residual: config.json (absent: True), trained with False"]
+
+
 def test_same_weights_in_both_formats(both):
     _, spec_tensors = load_exported(both / "speculators")
     _, vllm_tensors = load_exported(both / "vllm")
