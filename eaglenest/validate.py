@@ -2,15 +2,17 @@
 
 ``validate_draft`` writes ``validation.json`` and a self-contained ``validation.html`` from:
 
-- three vLLM runs over the held-out prompts, one server at a time (each stopped before the next
-  starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft, the
-  target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
+- vLLM runs over the held-out prompts, one server at a time (each stopped before the next
+  starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
+  each exported format (the speculators one started as its users start it, ``vllm_format.launch``),
+  the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run: output tokens/s (completion tokens / wall time of the timed
   requests, the prompt set resent until the window lasts ``min_seconds``) and mean latency; for the
   speculative runs the acceptance from the DIFFERENCE of vLLM's /metrics counters read before and
   after the timed requests (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
-- the training curves, the cross-checks and the findings (``report``).
+- the training curves, the cross-checks and the findings (``report``), whether the formats agree;
+- then the acceptance figures go into each draft's model card (``export.write_validation``).
 """
 
 from __future__ import annotations
@@ -240,14 +242,13 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         srv = dataclasses.replace(srv, port=s["port"])
     target = target or srv.model
     settings = request_settings(s["max_tokens"], generation)
-    runs, formats, launches = {}, {}, {}
-    plan = {"baseline": (srv.model, speculative_config("baseline", k))}
+    runs, formats = {}, {}  # formats: {export format: its run's name}
+    plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
     for i, (fmt, path) in enumerate(drafts.items()):
-        name = "eagle3" if i == 0 else f"eagle3_{fmt}"
-        model, spec, how = launch(fmt, path, k, srv.model)
-        plan[name], formats[fmt], launches[fmt] = (model, spec), name, how
-    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]))
-    for name, (model, spec) in plan.items():
+        formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
+        plan[name] = launch(fmt, path, k, srv.model)
+    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
+    for name, (model, spec, served_as) in plan.items():
         log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
         # The served name stays the target's when --model is a speculators draft directory.
         run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
@@ -257,8 +258,8 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
                                      workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k)
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
-        if name in formats.values():
-            runs[name]["served_as"] = launches[next(f for f, n in formats.items() if n == name)]
+        if served_as:
+            runs[name]["served_as"] = served_as
 
     off = s["offline"]
     offline_dtype = off["dtype"] or hidden_dtype
@@ -291,8 +292,8 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     write_report(report, json_path, html_path, curves)
     for fmt, path in drafts.items():
         write_validation(path, report, fmt)
-    e = report["eagle3"]
-    log(f"validate_draft: EAGLE-3 acceptance length {e['acceptance_length']:.3f} in vLLM vs {offline['acceptance_length']:.3f} "
+    per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
+    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {offline['acceptance_length']:.3f} "
         f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f}; "
         f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
     return report

@@ -230,6 +230,7 @@ def test_both_formats_agree_in_vllm(validated):
     assert spec["served_as"].startswith("vllm serve <draft dir>"), spec["served_as"]  # as its users start it
     assert abs(vllm["acceptance_length"] - spec["acceptance_length"]) <= 0.01, summary
     assert report["formats_agree"]["agree"], report["formats_agree"]
+    assert report["checks"]["export_vs_training"] == []  # both formats read back as trained
     assert not [w for w in report["warnings"] if w["kind"] in ("formats", "disagreement")], report["warnings"]
 
 
