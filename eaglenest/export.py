@@ -1,39 +1,68 @@
-"""Export of a draft in vLLM's EAGLE-3 format.
+"""Export of a draft in vLLM's EAGLE-3 format and in the speculators format, from the same weights.
 
-``out_dir/config.json`` + ``out_dir/model.safetensors`` + a short ``README.md``. The config keys,
-tensor names and shapes, and the ``d2t`` convention are vLLM's facts, kept in ``vllm_format``
-(validation reads the export back through the same module).
+Each directory holds ``config.json`` + ``model.safetensors`` + a ``README.md`` model card with
+Hugging Face front matter. The config keys, tensor names and shapes, and the ``d2t`` convention of
+both formats are vLLM's facts, kept in ``vllm_format`` (validation reads the exports back through the
+same module). ``write_validation`` adds the validation report's acceptance figures to a card once
+the report exists (the report is made after the export: ``validate_draft`` calls it).
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from .util import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
-from .vllm_format import draft_config_json, speculative_config, vllm_tensors
+from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
+                          speculators_config_json, verifier_of, vllm_tensors)
+
+# Where validate_draft puts the acceptance figures in a card (everything after it is replaced).
+VALIDATION_MARK = "<!-- eaglenest: validation -->"
 
 
-def model_card(config, info, card, train=None) -> str:
-    """A short README.md: what the draft is for, how it was made, how to serve it."""
-    card = card or {}
-    serve_spec = json.dumps({**speculative_config("eagle3", 3, "."), "model": "THIS_DIR"}, separators=(",", ":"))
+def front_matter(config, card) -> str:
+    """The Hugging Face model card metadata (YAML between ``---`` lines)."""
+    target = card.get("target")
+    tags = ["eagle3", "speculative-decoding", "eaglenest"] + (["speculators"] if is_speculators(config) else [])
+    lines = ["---"]
+    if target:
+        lines.append(f"base_model: {json.dumps(str(target))}")
+    lines += ["library_name: vllm", "tags:"] + [f"- {t}" for t in tags]
+    dataset = card.get("dataset")
+    if dataset and not os.path.exists(dataset):  # the hub wants dataset ids, not local paths
+        lines += ["datasets:", f"- {json.dumps(str(dataset))}"]
+    license_ = card.get("license")
+    lines.append(f"license: {license_}" if license_ else
+                 "license: other  # set export.license: the target's license usually binds its draft")
+    return "\n".join(lines + ["---", ""])
+
+
+def model_card(config, info, card, train=None, k=3) -> str:
+    """README.md: front matter, what the draft is for, how it was made, how to serve it."""
+    card = dict(card or {})
+    target = card.get("target", info.get("target", "TARGET"))
+    flat = flat_config(config)
+    fmt = "speculators" if is_speculators(config) else "vllm"
     lines = [
-        f"# EAGLE-3 draft for {card.get('target', info.get('target', 'the target'))}",
+        front_matter(config, {**card, "target": target}),
+        f"# EAGLE-3 draft for {target}" + (" (speculators format)" if fmt == "speculators" else ""),
         "",
         card.get("description", "A one-layer EAGLE-3 speculative-decoding draft made by eaglenest."),
         "",
         "| | |",
         "|---|---|",
-        f"| target | {card.get('target', info.get('target', '?'))} ({info.get('num_hidden_layers')} layers, hidden {info.get('hidden_size')}) |",
-        f"| auxiliary layers (vLLM ids) | {config['eagle_aux_hidden_state_layer_ids']} |",
-        f"| draft vocabulary | {config['draft_vocab_size']} of {config['vocab_size']} tokens |",
-        f"| draft size | hidden {config['hidden_size']}, intermediate {config['intermediate_size']}, {config['num_attention_heads']} heads / {config['num_key_value_heads']} kv |",
-        f"| dtype | {config['dtype']} |",
+        f"| target | {target} ({info.get('num_hidden_layers')} layers, hidden {info.get('hidden_size')}) |",
+        f"| format | {fmt} |",
+        f"| auxiliary layers (vLLM ids) | {flat['eagle_aux_hidden_state_layer_ids']} |",
+        f"| draft vocabulary | {flat['draft_vocab_size']} of {flat['vocab_size']} tokens |",
+        f"| draft size | hidden {flat['hidden_size']}, intermediate {flat['intermediate_size']}, "
+        f"{flat['num_attention_heads']} heads / {flat['num_key_value_heads']} kv |",
+        f"| dtype | {flat['dtype']} |",
     ]
     for key, value in card.items():
-        if key not in ("target", "description"):
+        if key not in ("target", "description", "license"):
             lines.append(f"| {key} | {value} |")
     if train:
         acc = ", ".join(f"{a:.3f}" for a in train.get("acc", []))
@@ -45,35 +74,72 @@ def model_card(config, info, card, train=None) -> str:
         ]
     else:
         lines.append("| training | none: randomly initialised (a baseline) |")
-    lines += [
-        "",
-        "Serve with vLLM:",
-        "",
-        "```",
-        f"vllm serve {card.get('target', info.get('target', 'TARGET'))} --speculative-config '{serve_spec}'",
-        "```",
-        "",
-    ]
+    lines += ["", "Serve with vLLM:", "", "```", serve_line(fmt, target, k, verifier=verifier_of(config)), "```", ""]
+    if fmt == "speculators":
+        lines += [f"vLLM starts the verifier named in config.json (`{verifier_of(config)}`) with this draft "
+                  "attached; publish it with the verifier's hub name there.", ""]
     return "\n".join(lines)
 
 
-def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype):
+def write_validation(draft_dir, report: dict, fmt: str) -> None:
+    """Put the validation report's acceptance figures into a draft's card (replacing earlier ones)."""
+    path = Path(draft_dir) / "README.md"
+    text = path.read_text().split(VALIDATION_MARK)[0].rstrip() + "\n"
+    run = (report.get("formats") or {}).get(fmt) or report.get("eagle3") or {}
+    off, base = report.get("offline") or {}, report.get("baseline") or {}
+    speed = (run.get("output_tokens_per_s") / base["output_tokens_per_s"]
+             if run.get("output_tokens_per_s") and base.get("output_tokens_per_s") else None)
+    f3 = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [
+        VALIDATION_MARK, "", "## Validation (eaglenest)", "",
+        f"{report.get('prompts')} held-out prompts, greedy, k = {report.get('num_speculative_tokens')}, "
+        f"max_tokens {report.get('max_tokens')}, {report.get('created', '')}.", "",
+        "| | |", "|---|---|",
+        f"| mean acceptance length in vLLM | {f3(run.get('acceptance_length'))} |",
+        f"| per-position acceptance | {', '.join(f3(p) for p in run.get('per_position') or []) or '–'} |",
+        f"| offline prediction | {f3(off.get('acceptance_length'))} |",
+        f"| n-gram speculation in vLLM | {f3((report.get('ngram') or {}).get('acceptance_length'))} |",
+        f"| output tokens/s over the target alone | {'–' if speed is None else f'×{speed:.2f}'} |",
+        "",
+    ]
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text + "\n" + "\n".join(lines))
+    os.replace(tmp, path)
+
+
+def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype, *, fmt="vllm", verifier=None, k=3):
+    """One draft directory in ``fmt`` (``vllm`` or ``speculators``; the latter names ``verifier``)."""
     out_dir = Path(out_dir)
-    config = draft_config_json(cfg, info["aux_layers"], dtype)
-    save_safetensors(vllm_tensors(state_dict, cfg, dtype), out_dir / "model.safetensors", {"format": "pt"})
+    tensors = vllm_tensors(state_dict, cfg, dtype)
+    if fmt == "speculators":
+        config = speculators_config_json(cfg, info["aux_layers"], verifier=verifier or info.get("target"), k=k,
+                                         dtype=dtype, verifier_architectures=info.get("architectures"))
+    else:
+        config = draft_config_json(cfg, info["aux_layers"], dtype)
+    save_safetensors(format_tensors(tensors, fmt), out_dir / "model.safetensors", {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "README.md").write_text(model_card(config, info, card, train))
-    say(f"export: {'trained' if train else 'untrained'} draft, {len(config)} config keys -> {out_dir}")
+    (out_dir / "README.md").write_text(model_card(config, info, card, train, k))
+    say(f"export: {'trained' if train else 'untrained'} draft, {fmt} format -> {out_dir}")
     return config
 
 
-def export_draft(checkpoint_path, out_dir, *, card=None, dtype="bfloat16") -> dict:
+def export_draft(checkpoint_path, out_dir=None, *, speculators_dir=None, card=None, dtype="bfloat16",
+                 verifier=None, k=3) -> dict:
     """Export a ``train_draft`` checkpoint (which carries the draft config, the target facts and the
-    vocabulary maps) to ``out_dir``; ``card`` adds rows to the model card. Returns the config."""
+    vocabulary maps) to ``out_dir`` in vLLM's format and/or to ``speculators_dir`` in the speculators
+    format (verifier ``verifier``, default the target; ``k`` speculative tokens); ``card`` adds rows
+    and front matter (``target``, ``dataset``, ``license``) to the model cards. Returns the config
+    written last."""
     from .train import load_checkpoint
 
     tensors, cfg, info, train = load_checkpoint(checkpoint_path)
-    return write_draft(out_dir, cfg, info, tensors, card, train, dtype)
+    config = None
+    for fmt, path in (("vllm", out_dir), ("speculators", speculators_dir)):
+        if path is not None:
+            config = write_draft(path, cfg, info, tensors, card, train, dtype, fmt=fmt, verifier=verifier, k=k)
+    if config is None:
+        raise ValueError("export_draft: give out_dir, speculators_dir or both")
+    return config
 
 
 def export_untrained(vocab_path, head_path, out_dir, *, config=None, seed=0, card=None, dtype="bfloat16") -> dict:

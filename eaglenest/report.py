@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import defaults
-from .vllm_format import config_value, state_dict_from_vllm
+from .vllm_format import config_value, flat_config, state_dict_from_vllm
 
 
 
@@ -31,6 +31,8 @@ from .vllm_format import config_value, state_dict_from_vllm
 
 # vLLM's acceptance length below this share of the offline prediction is reported as a disagreement.
 WARN_BELOW = defaults("validate")["warn_below"]
+# Two formats of the same weights served by vLLM at greedy decoding: acceptance lengths this close.
+FORMATS_TOLERANCE = 0.01
 # The usual reasons a draft does worse in vLLM than offline or than in training, each with the
 # check (in report["checks"]) that speaks to it.
 LIKELY_CAUSES = {
@@ -154,6 +156,12 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
                        f"draft is not the trained one, or it fits its training data only. Likely causes:",
             "causes": [c for c, key in zip(causes, LIKELY_CAUSES) if key in ("aux_layers", "norm_before_residual", "d2t", "data")],
         })
+    agree = report.get("formats_agree")
+    if agree and not agree["agree"]:
+        shown = ", ".join(f"{f} {v:.3f}" for f, v in agree["acceptance_lengths"].items())
+        out.append({"kind": "formats", "message": f"The exported formats of the same weights are accepted differently "
+                    f"in vLLM ({shown}; they differ by {agree['difference']:.3f}, more than {agree['tolerance']}): one "
+                    "format's config.json is read differently (norm_before_residual's default differs between them)."})
     if checks.get("export_vs_training"):
         out.append({"kind": "export", "message": "The exported draft differs from the training checkpoint: "
                     + "; ".join(checks["export_vs_training"])})
@@ -186,19 +194,21 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     from .train import load_checkpoint
 
     config, tensors = load_exported(export_dir)
+    raw, config = config, flat_config(config)  # either format, as vLLM reads it
     saved, dcfg, info, _ = load_checkpoint(checkpoint_path)
     diffs = []
     ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
     if ids != list(info["aux_layers"]):
         diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info['aux_layers']}")
     if bool(config_value(config, "norm_before_residual")) != bool(dcfg.norm_before_residual):
-        shown = config.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
+        shown = raw.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
         diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "rms_norm_eps"):
         if config.get(key) != getattr(dcfg, key):
             diffs.append(f"{key}: config.json {config.get(key)}, trained with {getattr(dcfg, key)}")
-    d2t = state_dict_from_vllm(tensors, dcfg)["d2t"]  # what vLLM loads: absent means the identity
+    tensors = state_dict_from_vllm(tensors, dcfg)  # vLLM format's names; absent d2t means the identity
+    d2t = tensors["d2t"]
     if d2t.shape != saved["d2t"].shape or not torch.equal(d2t, saved["d2t"]):
         as_ids = d2t.shape == saved["d2t"].shape and torch.equal(d2t, saved["d2t"] + torch.arange(len(d2t)))
         diffs.append("d2t differs from training's" + (" (written as target ids, not offsets)" if as_ids else ""))
@@ -222,11 +232,23 @@ def _identical(answers_a, answers_b) -> float | None:
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
+def format_agreement(formats: dict) -> dict | None:
+    """Whether the exported formats' acceptance lengths in vLLM agree (within ``FORMATS_TOLERANCE``)."""
+    lengths = {f: r.get("acceptance_length") for f, r in formats.items()}
+    if len(lengths) < 2 or None in lengths.values():
+        return None
+    spread = max(lengths.values()) - min(lengths.values())
+    return {"acceptance_lengths": lengths, "difference": spread, "tolerance": FORMATS_TOLERANCE,
+            "agree": spread <= FORMATS_TOLERANCE}
+
+
 def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offline: dict, train: dict,
-                 checks: dict, settings: dict, warn_below=WARN_BELOW) -> dict:
-    """The validation.json dict (answers dropped) with the speed-up, agreement and warnings."""
+                 checks: dict, settings: dict, warn_below=WARN_BELOW, formats: dict | None = None) -> dict:
+    """The validation.json dict (answers dropped) with the speed-up, agreement and warnings.
+    ``formats``: ``{export format: run name}`` of the EAGLE-3 runs (default: vLLM's format, "eagle3")."""
     strip = lambda r: {key: v for key, v in (r or {}).items() if key != "answers"}  # noqa: E731
     e, n, b = (strip(runs.get(key)) for key in ("eagle3", "ngram", "baseline"))
+    per_format = {f: strip(runs.get(name)) for f, name in (formats or {"vllm": "eagle3"}).items()}
     report = {
         "target": str(target),
         "draft": str(Path(draft_dir).resolve()),
@@ -241,6 +263,8 @@ def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offli
         "speedup": _ratio(e.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
         "ngram_speedup": _ratio(n.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
         "agreement": _ratio(e.get("acceptance_length"), (offline or {}).get("acceptance_length")),
+        "formats": per_format,
+        "formats_agree": format_agreement(per_format),
         "checks": checks,
         "settings": settings,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -483,7 +507,9 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
         f"<style>{CSS}</style></head><body>",
         "<h1>EAGLE-3 draft validation</h1>",
         f'<div class="muted">target <b>{_esc(report.get("target"))}</b> · draft {_esc(report.get("draft"))} · '
-        f'k = {k} · {report.get("prompts")} held-out prompts · max_tokens {report.get("max_tokens")} · '
+        f'k = {k} · draft vocabulary {_esc((report.get("settings") or {}).get("draft_vocab_size"))} of '
+        f'{_esc((report.get("settings") or {}).get("vocab_size"))} · '
+        f'{report.get("prompts")} held-out prompts · max_tokens {report.get("max_tokens")} · '
         f'{_esc(report.get("created", ""))}</div>',
     ]
     headline = (f"Mean acceptance length in vLLM <b>{_num(e.get('acceptance_length'), 2)}</b> "
@@ -500,8 +526,9 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
 
     parts.append("<h2>Summary</h2>")
     rows = []
-    for key, label in (("baseline", "target alone"), ("eagle3", "EAGLE-3 draft"), ("ngram", "n-gram")):
-        r = report.get(key) or {}
+    formats = report.get("formats") or {"vllm": e}
+    drafts = [(f"EAGLE-3 draft, {f} format", r) for f, r in formats.items()]
+    for label, r in [("target alone", b), *drafts, ("n-gram", n)]:
         rows.append([_esc(label), _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
                      ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–",
                      _num(r.get("output_tokens_per_s"), 1), _num(r.get("mean_latency_s"), 3),
@@ -522,6 +549,14 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                  f'{_num(report.get("ngram_speedup"), 3)}. vLLM / offline acceptance length: '
                  f'{_num(report.get("agreement"), 3)}.</p>')
 
+    agree = report.get("formats_agree")
+    if agree:
+        verdict = "agree" if agree["agree"] else "<b>disagree</b>"
+        parts.append(f'<p>The exported formats {verdict} in vLLM: acceptance lengths differ by '
+                     f'{_num(agree["difference"], 4)} (tolerance {agree["tolerance"]}).</p>')
+    for f, r in formats.items():
+        if r.get("served_as"):
+            parts.append(f'<p class="muted">{_esc(f)} format served as: {_esc(r["served_as"])}</p>')
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")
 

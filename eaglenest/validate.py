@@ -2,15 +2,17 @@
 
 ``validate_draft`` writes ``validation.json`` and a self-contained ``validation.html`` from:
 
-- three vLLM runs over the held-out prompts, one server at a time (each stopped before the next
-  starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft, the
-  target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
+- vLLM runs over the held-out prompts, one server at a time (each stopped before the next
+  starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
+  each exported format (the speculators one started as its users start it, ``vllm_format.launch``),
+  the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run: output tokens/s (completion tokens / wall time of the timed
   requests, the prompt set resent until the window lasts ``min_seconds``) and mean latency; for the
   speculative runs the acceptance from the DIFFERENCE of vLLM's /metrics counters read before and
   after the timed requests (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
-- the training curves, the cross-checks and the findings (``report``).
+- the training curves, the cross-checks and the findings (``report``), whether the formats agree;
+- then the acceptance figures go into each draft's model card (``export.write_validation``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from pathlib import Path
 from .config import defaults
 from .errors import ServerError, TracesError, ValidationError
 from .predict import offline_acceptance
+from .export import write_validation
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
 from .traces import GENERATION_DEFAULTS, answer_prompts
-from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, served_dtype, spec_counters, speculative_config
+from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, launch, served_dtype, spec_counters, speculative_config
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
@@ -136,9 +139,11 @@ def _reap(pid: int) -> None:
 
 
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print) -> dict:
-    """Start vLLM (the target, with ``spec`` as its --speculative-config), send the prompts, read
-    the counters around the timed requests, and stop the server (its whole process group) always."""
+                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None) -> dict:
+    """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
+    the counters around the timed requests, and stop the server (its whole process group) always.
+    ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
+    served as the model) rather than ``spec``."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -172,15 +177,15 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     result.update({"seconds_to_ready": ready["seconds_to_ready"], "vllm_version": ready.get("version"),
                    "served_dtype": served_dtype(paths.log), "seconds": round(time.monotonic() - t0, 1),
                    "speculative_config": spec})
-    if spec:
-        k = spec["num_speculative_tokens"]
+    k = (spec or {}).get("num_speculative_tokens") or k
+    if k:
         result.update(acceptance(counter_delta(before, after), k))
         if result["drafts"] == 0:
             raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
                                   f"(counters {after}); speculation did not run: see {paths.log}")
     log(f"{name}: {result['completion_tokens']} tokens ({result['passes']} pass(es)) in {result['wall_s']:.1f} s "
         f"({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
-        + (f", acceptance length {result['acceptance_length']:.3f}" if spec else ""))
+        + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
     return result
 
 
@@ -195,6 +200,12 @@ def resolve_settings(validate: dict | None, generation: dict) -> dict:
     if s["max_tokens"] is None:
         s["max_tokens"] = generation["max_tokens"]
     return s
+
+
+def draft_vocabulary(draft_dir) -> dict:
+    """The draft's and the target's vocabulary sizes, from the exported config.json (either format)."""
+    config = flat_config(json.loads((Path(draft_dir) / "config.json").read_text()))
+    return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
 def read_prompts(path) -> list[dict]:
@@ -212,11 +223,16 @@ def read_prompts(path) -> list[dict]:
     return rows
 
 
-def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
+def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
                    validate: dict | None = None, target=None, hidden_dtype="bfloat16", checkpoint_path=None,
                    log_dir="logs/validate", workflow_pid=None, log=print) -> dict:
-    """The whole validation (module docstring); returns the report dict it wrote. ``checkpoint_path``
-    (the training checkpoint) adds the export-against-training check."""
+    """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
+    ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
+    measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
+    checkpoint) adds the export-against-training check."""
+    if not isinstance(drafts, dict):
+        drafts = {"vllm": drafts}
+    draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
     t0 = time.time()
     s = resolve_settings(validate, generation)
     k = s["num_speculative_tokens"]
@@ -226,18 +242,24 @@ def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, 
         srv = dataclasses.replace(srv, port=s["port"])
     target = target or srv.model
     settings = request_settings(s["max_tokens"], generation)
-    runs = {}
-    specs = {"baseline": speculative_config("baseline", k),
-             "eagle3": speculative_config("eagle3", k, draft_dir),
-             "ngram": speculative_config("ngram", k, ngram=s["ngram"])}
-    for name, spec in specs.items():
-        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k})")
+    runs, formats = {}, {}  # formats: {export format: its run's name}
+    plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
+    for i, (fmt, path) in enumerate(drafts.items()):
+        formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
+        plan[name] = launch(fmt, path, k, srv.model)
+    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
+    for name, (model, spec, served_as) in plan.items():
+        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
+        # The served name stays the target's when --model is a speculators draft directory.
+        run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
         try:
-            runs[name] = measure_run(name, srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
-                                     warmup_requests=s["warmup_requests"],
-                                     min_seconds=s["min_seconds"], workflow_pid=workflow_pid, log=log)
+            runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
+                                     warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
+                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k)
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
+        if served_as:
+            runs[name]["served_as"] = served_as
 
     off = s["offline"]
     offline_dtype = off["dtype"] or hidden_dtype
@@ -253,20 +275,25 @@ def validate_draft(draft_dir, heldout_path, metrics_path, json_path, html_path, 
 
     checks = cross_checks(target, prompts, runs, generation, offline)
     if checkpoint_path is not None:
-        checks["export_vs_training"] = export_differences(draft_dir, checkpoint_path)
+        # Every exported format against the training checkpoint, each read back as vLLM reads it.
+        checks["export_vs_training"] = [f"{fmt} format: {d}" if len(drafts) > 1 else d for fmt, path in drafts.items()
+                                        for d in export_differences(path, checkpoint_path)]
     curves = read_train_metrics(metrics_path)
     report = build_report(
         target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
-        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"],
+        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
         settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
                   "min_seconds": s["min_seconds"],
                   "served_model": srv.model_id, "tensor_parallel_size": srv.tensor_parallel_size,
-                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port}"},
+                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port}",
+                  **draft_vocabulary(draft_dir)},
     )
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves)
-    e = report["eagle3"]
-    log(f"validate_draft: EAGLE-3 acceptance length {e['acceptance_length']:.3f} in vLLM vs {offline['acceptance_length']:.3f} "
+    for fmt, path in drafts.items():
+        write_validation(path, report, fmt)
+    per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
+    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {offline['acceptance_length']:.3f} "
         f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f}; "
         f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
     return report

@@ -31,10 +31,29 @@ What ``config.json`` carries and why:
 - ``target_hidden_size`` (only when it differs from ``hidden_size``) sizes ``fc``'s input.
 - ``norm_before_residual`` is written out: loaders disagree on its default (vLLM: absent = false).
 - no ``embed_tokens.weight``: vLLM then shares the target's embedding with the draft.
+
+The speculators format (vllm-project/speculators; NVIDIA ModelOpt's converter emits it too) holds the
+same weights. vLLM 0.32 reads it in ``transformers_utils/configs/speculators/`` and
+``transformers_utils/config.py`` (``maybe_override_with_speculators``):
+
+- a ``config.json`` with ``speculators_config`` is a speculators model: ``vllm serve DIR`` serves the
+  verifier ``speculators_config.verifier.name_or_path`` (resolved like any ``--model``: a local path,
+  relative to the server's working directory, or a hub name) with DIR as its ``eagle3`` draft and
+  ``proposal_methods[0].speculative_tokens`` as ``num_speculative_tokens``; required:
+  ``speculators_model_type``, ``speculators_config.proposal_methods[0].speculative_tokens``,
+  ``speculators_config.verifier.name_or_path`` and a ``transformer_layer_config`` dict;
+- no top-level ``model_type``: vLLM then takes the config as ``speculators``, starts the draft's
+  config from ``transformer_layer_config`` (a one-layer Llama config, ``vocab_size`` the target's)
+  and adds ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` and
+  ``norm_before_residual`` from the top level, where ``norm_before_residual`` defaults to **True**
+  (``algos.py``, ``update_eagle3``): written out, with ``norm_before_fc``, ``fc_norm`` and ``norm_output``;
+- tensors: the decoder layer is ``layers.0.*`` (speculators' own name; vLLM's loader takes both that
+  and ``midlayer.*``), everything else as above.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -165,6 +184,7 @@ def draft_config_from_json(config: dict):
     """The ``model.DraftConfig`` vLLM builds from a draft's config.json, its defaults where keys are absent."""
     from .model import DraftConfig
 
+    config = flat_config(config)
     hidden = config["hidden_size"]
     ids = config.get("eagle_aux_hidden_state_layer_ids") or []
     rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config_value(config, "rope_theta")}
@@ -213,10 +233,94 @@ def vllm_tensors(state_dict, cfg, dtype="bfloat16") -> dict:
 def state_dict_from_vllm(tensors: dict, cfg) -> dict:
     """The exported tensors as an ``Eagle3Draft`` state dict: what vLLM loads, plus the vocabulary
     maps it leaves implicit (no ``d2t`` when the vocabularies match; ``t2d`` all true then)."""
-    state = dict(tensors)
+    state = _rename_prefix(tensors, LAYER_PREFIX["speculators"], LAYER_PREFIX["vllm"])  # either format's names
     state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
     state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     return state
+
+
+# ----------------------------------------------------------------------------- the speculators format
+
+FORMATS = ("vllm", "speculators")  # export.format "both" writes every one of them
+SPECULATORS_MODEL_TYPE = "eagle3"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+LAYER_PREFIX = {"vllm": "midlayer.", "speculators": "layers.0."}
+# What vLLM assumes for a speculators config.json key that is absent (algos.py, update_eagle3).
+SPECULATORS_DEFAULTS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+
+
+def is_speculators(config: dict) -> bool:
+    """vLLM's test (transformers_utils/config.py): a ``speculators_config`` marks the format."""
+    return config.get("speculators_config") is not None
+
+
+def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype="bfloat16",
+                            verifier_architectures=None) -> dict:
+    """config.json of a draft in the speculators format (``cfg`` a ``model.DraftConfig``): the same
+    draft as ``draft_config_json``, its layer config nested, the verifier and ``k`` named, every key
+    whose default differs between the formats written out."""
+    layer = {key: v for key, v in draft_config_json(cfg, aux_layer_ids, dtype).items()
+             if key not in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                            "norm_before_residual", "target_hidden_size")}
+    verifier_cfg = {"name_or_path": str(verifier)}
+    if verifier_architectures:
+        verifier_cfg["architectures"] = list(verifier_architectures)
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": SPECULATORS_MODEL_TYPE,
+        "speculators_config": {
+            "algorithm": SPECULATORS_MODEL_TYPE,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
+            "default_proposal_method": "greedy",
+            "verifier": verifier_cfg,
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def flat_config(config: dict) -> dict:
+    """The draft's config as vLLM's EAGLE-3 model sees it, from a config.json of either format: a
+    speculators config is flattened the way vLLM does it (its defaults where keys are absent)."""
+    if not is_speculators(config):
+        return dict(config)
+    flat = dict(config.get("transformer_layer_config") or {})
+    flat["draft_vocab_size"] = config.get("draft_vocab_size")
+    if config.get("target_hidden_size") is not None:
+        flat["target_hidden_size"] = config["target_hidden_size"]
+    for key, default in SPECULATORS_DEFAULTS.items():
+        flat[key] = config.get(key, default)
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        flat["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    return flat
+
+
+def format_tensors(tensors: dict, fmt: str) -> dict:
+    """``vllm_tensors``' output under the tensor names of ``fmt`` (the decoder layer's prefix differs)."""
+    return _rename_prefix(tensors, LAYER_PREFIX["vllm"], LAYER_PREFIX[fmt])
+
+
+def _rename_prefix(tensors: dict, old: str, new: str) -> dict:
+    return {new + name[len(old):] if name.startswith(old) else name: t for name, t in tensors.items()}
+
+
+def verifier_of(config: dict) -> str | None:
+    """The verifier a speculators draft names (None for the vLLM format)."""
+    return (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+
+
+def speculative_tokens_of(config: dict) -> int | None:
+    """``num_speculative_tokens`` that ``vllm serve DIR`` takes from a speculators draft."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")
 
 
 # ----------------------------------------------------------------------------- serving
@@ -255,6 +359,46 @@ def speculative_config(method: str, k: int, draft_dir=None, ngram=None) -> dict 
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, **(ngram or {})}
     raise ValueError(f"unknown speculative method {method!r}")
+
+
+def verifier_is_local(name) -> bool:
+    """Whether vLLM can start the verifier ``name`` here without the hub: a directory (relative to
+    this process's working directory, as the server's) or a hub name already in the local cache."""
+    if Path(name).is_dir():
+        return True
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(str(name), "config.json"), str)
+    except Exception:  # not a valid repo id: nothing cached under it
+        return False
+
+
+def launch(fmt: str, draft_dir, k: int, target) -> tuple[str, dict | None, str]:
+    """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens.
+
+    vLLM's format: the target with the eagle3 speculative config. The speculators format: the draft
+    directory as the model, the way its users start it (vLLM starts the verifier its config.json
+    names; a speculative config only where ``k`` differs from the file's); where that verifier does
+    not resolve here (a hub name with no hub), the target with the draft in the speculative config."""
+    if fmt == "vllm":
+        return str(target), speculative_config("eagle3", k, draft_dir), "--speculative-config"
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    verifier = verifier_of(config)
+    if verifier and verifier_is_local(verifier):
+        spec = None if speculative_tokens_of(config) == k else {"num_speculative_tokens": k}
+        return str(Path(draft_dir).resolve()), spec, f"vllm serve <draft dir> (verifier {verifier})"
+    return str(target), speculative_config("eagle3", k, draft_dir), (
+        f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
+
+
+def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) -> str:
+    """How a user serves a draft of format ``fmt``: the speculative config for vLLM's format; the draft
+    directory alone for the speculators format (vLLM starts the verifier its config.json names)."""
+    if fmt == "speculators":
+        return f"vllm serve {draft_dir}"
+    spec = json.dumps({**speculative_config("eagle3", k, "."), "model": str(draft_dir)}, separators=(",", ":"))
+    return f"vllm serve {target} --speculative-config '{spec}'"
 
 
 def served_dtype(log_path) -> str | None:

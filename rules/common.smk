@@ -46,8 +46,18 @@ def gpus(section):
     return int(HAS_GPU) if n is None else n
 
 
+# The draft directory of each export format (export.format: vllm, speculators or both).
+DRAFT_DIRS = {"vllm": "draft/checkpoint", "speculators": "draft/speculators"}
+
+
+def draft_dirs():
+    """``{format: directory}`` of the formats export.format asks for."""
+    fmt = config["export"]["format"]
+    return {f: d for f, d in DRAFT_DIRS.items() if fmt in (f, "both")}
+
+
 def all_targets(wildcards):
-    return ["draft/checkpoint", "reports/validation.json", "reports/validation.html"]
+    return [*draft_dirs().values(), "reports/validation.json", "reports/validation.html"]
 
 
 def train_processes():

@@ -42,12 +42,15 @@ rule train_draft:
 
 
 rule export_draft:
+    """The trained draft in each format export.format asks for, from the same weights."""
     input:
         "draft/checkpoint.safetensors",
     output:
-        directory("draft/checkpoint"),
+        **{f: directory(d) for f, d in draft_dirs().items()},
     params:
-        card={"dataset": config["dataset"]["path"], "target": target_model()},
+        card={"dataset": config["dataset"]["path"], "target": target_model(), "license": config["export"]["license"]},
+        verifier=config["export"]["verifier"] or config["server"]["model"],
+        k=config["validate"]["num_speculative_tokens"],
     conda:
         "../envs/eaglenest.yaml"
     log:

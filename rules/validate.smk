@@ -1,7 +1,8 @@
 rule validate_draft:
-    """The draft in real vLLM (target alone, EAGLE-3, n-gram; one server at a time) vs the offline prediction."""
+    """The draft in real vLLM (target alone, EAGLE-3 in each exported format, n-gram; one server at a time) vs the
+    offline prediction; the acceptance figures go into the drafts' model cards."""
     input:
-        draft="draft/checkpoint",
+        **draft_dirs(),
         checkpoint="draft/checkpoint.safetensors",
         heldout="data/prompts/heldout.jsonl",
         metrics="draft/train_metrics.csv",

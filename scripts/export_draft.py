@@ -1,8 +1,10 @@
-"""Export the trained draft as a directory vLLM serves (config.json + model.safetensors + card)."""
+"""Export the trained draft as directories vLLM serves, one per format (config.json + model.safetensors + card)."""
 from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
 from eaglenest.export import export_draft
 
-export_draft(snakemake.input[0], snakemake.output[0], card=snakemake.params.card)
+out = dict(snakemake.output.items())
+export_draft(snakemake.input[0], out.get("vllm"), speculators_dir=out.get("speculators"), card=snakemake.params.card,
+             verifier=snakemake.params.verifier, k=snakemake.params.k)

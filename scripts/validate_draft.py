@@ -10,7 +10,8 @@ import torch
 from eaglenest.validate import validate_draft
 
 torch.set_num_threads(max(1, snakemake.threads))
-validate_draft(snakemake.input.draft, snakemake.input.heldout, snakemake.input.metrics,
+drafts = {f: snakemake.input[f] for f in ("vllm", "speculators") if f in snakemake.input.keys()}
+validate_draft(drafts, snakemake.input.heldout, snakemake.input.metrics,
                snakemake.output.json, snakemake.output.html, server=snakemake.params.server,
                generation=snakemake.params.generation, validate=snakemake.params.validate,
                target=snakemake.params.target, hidden_dtype=snakemake.params.hidden_dtype,

@@ -1,0 +1,252 @@
+"""The two export formats (vLLM's EAGLE-3 format and the speculators format) from the same weights.
+
+Fast tests check what export writes against vLLM's own speculators config code (no server). The
+tests marked ``vllm`` run the real workflow on the toy with a draft vocabulary smaller than the
+target's (48 of 105 tokens, so vLLM maps draft ids through ``d2t``) up to the validation report,
+which serves both formats in real vLLM (the speculators one as its users start it: its directory as
+``--model``), and then serve a copy with a deliberately wrong ``d2t``: the check that vLLM's
+acceptance stays within 10% of the offline prediction must fail for it, which proves vLLM reads the
+mapping. Five vLLM starts in all (traces, target alone, two formats, n-gram) plus one: about eight
+minutes on 2 cores.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from conftest import TOY_TARGET, run_snakemake, write_config
+from eaglenest.export import VALIDATION_MARK, export_draft, load_exported, write_validation
+from eaglenest.predict import load_exported_draft
+from eaglenest.server import ServerConfig
+from eaglenest.util import save_safetensors
+from eaglenest.validate import measure_run, read_prompts, request_settings
+from eaglenest.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids, flat_config,
+                                   launch, speculators_config_json)
+from test_train import data, run  # noqa: F401  (data is a fixture)
+
+K = 3
+DRAFT_VOCAB = 48  # of the toy's 105 tokens
+# Short but enough for the draft to learn much of the toy's arithmetic: about 1.5 minutes on 2 cores.
+TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 1000}
+WITHIN = 0.10  # vLLM's acceptance length against the offline prediction
+
+
+def within_prediction(vllm_al: float, offline_al: float) -> bool:
+    return abs(vllm_al / offline_al - 1) <= WITHIN
+
+
+# ----------------------------------------------------------------------------- no server
+
+
+@pytest.fixture(scope="module")
+def both(data, tmp_path_factory):  # noqa: F811
+    """One small trained checkpoint exported in both formats."""
+    out = tmp_path_factory.mktemp("formats")
+    run(data, out)
+    export_draft(out / "checkpoint.safetensors", out / "vllm", speculators_dir=out / "speculators",
+                 card={"target": "org/tiny-target", "dataset": "org/prompts", "license": "apache-2.0"},
+                 verifier="org/tiny-target", k=4)
+    return out
+
+
+def test_vllm_parses_the_speculators_config(both):
+    """vLLM's own speculators code reads what export wrote: the speculative config `vllm serve DIR`
+    builds, and the draft config, equal to the one vLLM builds from the other format."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    spec_config, _ = load_exported(both / "speculators")
+    vllm_config, _ = load_exported(both / "vllm")
+    assert "model_type" not in spec_config  # vLLM takes a config without it as a speculators config
+    assert SpeculatorsConfig.extract_vllm_speculative_config(spec_config) == {"method": "eagle3", "num_speculative_tokens": 4}
+    assert spec_config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    for key in SPECULATORS_DEFAULTS:  # every key whose default differs between the formats is written out
+        assert key in spec_config, key
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(spec_config)))
+    assert parsed["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert parsed["norm_before_residual"] is False and parsed["draft_vocab_size"] == 40
+    assert parsed["eagle_aux_hidden_state_layer_ids"] == vllm_config["eagle_aux_hidden_state_layer_ids"]
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "num_hidden_layers"):
+        assert parsed[key] == vllm_config[key], key
+    assert draft_config_from_json(spec_config) == draft_config_from_json(vllm_config)
+
+
+def test_norm_before_residual_defaults_differ_between_formats(both):
+    """Why the key is always written: absent, the two formats read it differently."""
+    spec_config, _ = load_exported(both / "speculators")
+    vllm_config, _ = load_exported(both / "vllm")
+    spec_config.pop("norm_before_residual")
+    vllm_config.pop("norm_before_residual")
+    assert draft_config_from_json(spec_config).norm_before_residual is True
+    assert draft_config_from_json(vllm_config).norm_before_residual is False
+
+
+def test_export_check_reads_the_speculators_format_as_vllm_does(both, tmp_path):
+    """The report's export-against-training check reads a speculators draft with that format's
+    defaults: without norm_before_residual, vLLM would run it with true, not as trained."""
+    from eaglenest.report import export_differences
+
+    ckpt = both / "checkpoint.safetensors"
+    assert export_differences(both / "speculators", ckpt) == [] == export_differences(both / "vllm", ckpt)
+    shutil.copytree(both / "speculators", tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "s" / "config.json").write_text(json.dumps(config))
+    assert export_differences(tmp_path / "s", ckpt) == ["norm_before_residual: config.json (absent: True), trained with False"]
+
+
+def test_same_weights_in_both_formats(both):
+    _, spec_tensors = load_exported(both / "speculators")
+    _, vllm_tensors = load_exported(both / "vllm")
+    assert any(n.startswith("layers.0.") for n in spec_tensors) and not any(n.startswith("midlayer.") for n in spec_tensors)
+    renamed = {n.replace("layers.0.", "midlayer.", 1): t for n, t in spec_tensors.items()}
+    assert renamed.keys() == vllm_tensors.keys()
+    assert all(torch.equal(renamed[n], vllm_tensors[n]) for n in renamed)
+    embed = torch.zeros(100, 32)
+    a, _ = load_exported_draft(both / "speculators", embed)
+    b, _ = load_exported_draft(both / "vllm", embed)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+def test_model_cards_have_hub_front_matter_and_take_the_validation_figures(both):
+    for fmt, serve in (("vllm", "--speculative-config"), ("speculators", "vllm serve THIS_DIR")):
+        text = (both / fmt / "README.md").read_text()
+        meta = yaml.safe_load(text.split("---")[1])
+        assert meta["base_model"] == "org/tiny-target" and meta["library_name"] == "vllm"
+        assert meta["license"] == "apache-2.0" and meta["datasets"] == ["org/prompts"] and "eagle3" in meta["tags"]
+        assert serve in text
+        report = {"prompts": 8, "num_speculative_tokens": 3, "max_tokens": 64, "baseline": {"output_tokens_per_s": 100.0},
+                  "formats": {fmt: {"acceptance_length": 2.345, "per_position": [0.8, 0.5, 0.2], "output_tokens_per_s": 150.0}},
+                  "offline": {"acceptance_length": 2.4}}
+        write_validation(both / fmt, report, fmt)
+        write_validation(both / fmt, {**report, "formats": {fmt: {"acceptance_length": 2.5}}}, fmt)  # replaces, not appends
+        text = (both / fmt / "README.md").read_text()
+        assert text.count(VALIDATION_MARK) == 1 and "2.500" in text and "2.345" not in text and "2.400" in text
+        assert yaml.safe_load(text.split("---")[1]) == meta
+
+
+def test_a_speculators_draft_is_served_as_the_model_where_its_verifier_resolves(both, tmp_path):
+    model, spec, how = launch("speculators", both / "speculators", 4, "org/tiny-target")  # k as in the file
+    assert spec is not None and spec["model"] == str((both / "speculators").resolve())  # a hub name, no hub here
+    assert model == "org/tiny-target" and "does not resolve" in how
+    local = tmp_path / "local"
+    shutil.copytree(both / "speculators", local)
+    config = json.loads((local / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = str(TOY_TARGET)
+    (local / "config.json").write_text(json.dumps(config))
+    assert launch("speculators", local, 4, "x") == (str(local.resolve()), None, f"vllm serve <draft dir> (verifier {TOY_TARGET})")
+    assert launch("speculators", local, 3, "x")[1] == {"num_speculative_tokens": 3}  # k differs from the file's
+
+
+def test_speculators_config_names_the_verifier_as_given():
+    from eaglenest.model import DraftConfig
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)
+    config = speculators_config_json(cfg, [1, 2, 3], verifier="toy/target", k=3)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "toy/target"  # as the config gives it
+    assert config["norm_before_residual"] is True and config["target_hidden_size"] == 32
+    assert draft_config_from_json(config) == cfg
+
+
+@pytest.mark.parametrize("fmt, dirs", [("both", ["draft/checkpoint", "draft/speculators"]),
+                                       ("speculators", ["draft/speculators"]), ("vllm", ["draft/checkpoint"])])
+def test_export_format_picks_the_draft_dirs(tmp_path, fmt, dirs):
+    """export.format decides which directories export_draft writes and validate_draft measures."""
+    import re
+
+    write_config(tmp_path, export={"format": fmt})
+    out = run_snakemake(tmp_path, "-n", "--printshellcmds").stdout
+    blocks = {m.group(1): m.group(2) for m in re.finditer(r"rule (export_draft|validate_draft):\n(.*?)\n\n", out, re.S)}
+    outputs = re.search(r"output: (.*)", blocks["export_draft"]).group(1).split(", ")
+    assert outputs == dirs, blocks["export_draft"]
+    inputs = re.search(r"input: (.*)", blocks["validate_draft"]).group(1).split(", ")
+    assert [i for i in inputs if i in ("draft/checkpoint", "draft/speculators")] == dirs
+
+
+def test_export_format_defaults_to_both():
+    from eaglenest.config import defaults
+
+    assert defaults("export") == {"format": "both", "verifier": None, "license": None}
+
+
+# ----------------------------------------------------------------------------- real vLLM
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    """The workflow up to its validation report on the toy, with a 48-token draft vocabulary, then
+    a copy of the vLLM-format draft with d2t shifted by one place served in real vLLM."""
+    if not (TOY_TARGET / "config.json").exists():
+        pytest.fail(f"the toy target is missing: rebuild it with python -m eaglenest.toy --out {TOY_TARGET}")
+    wd = tmp_path_factory.mktemp("formats_vllm")
+    cfg = write_config(wd, dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64},
+                       hidden={"dtype": "float32"}, draft={"vocab_size": DRAFT_VOCAB}, train=TRAIN,
+                       validate={"num_speculative_tokens": K, "min_seconds": 0, "warmup_requests": 1,
+                                 "offline": {"tokens": "served"}})
+    run_snakemake(wd, "reports/validation.json", timeout=1500)
+    report = json.loads((wd / "reports/validation.json").read_text())
+
+    # The same draft with every draft id mapped to its neighbour's target id (a permutation: in range).
+    wrong = wd / "wrong_d2t"
+    shutil.copytree(wd / "draft/checkpoint", wrong)
+    config, tensors = load_exported(wrong)
+    d2t = tensors["d2t"]
+    shifted = torch.roll(draft_to_target_ids(d2t), 1)
+    tensors["d2t"] = shifted - torch.arange(len(d2t))
+    save_safetensors(tensors, wrong / "model.safetensors", {"format": "pt"})
+    server = ServerConfig.from_dict(cfg["server"])
+    model, spec, _ = launch("vllm", wrong, K, server.model)
+    wrong_run = measure_run("wrong_d2t", server, spec, read_prompts(wd / "data/prompts/heldout.jsonl"),
+                            request_settings(cfg["generation"]["max_tokens"]), log_dir=wd / "logs/validate",
+                            concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
+    return wd, report, wrong_run
+
+
+@pytest.mark.vllm
+def test_both_formats_are_written_with_a_smaller_draft_vocabulary(validated):
+    wd, report, _ = validated
+    for fmt in ("checkpoint", "speculators"):
+        config, tensors = load_exported(wd / "draft" / fmt)
+        flat = flat_config(config)
+        assert flat["draft_vocab_size"] == DRAFT_VOCAB < flat["vocab_size"] == 105, fmt
+        assert "d2t" in tensors and len(tensors["d2t"]) == DRAFT_VOCAB and tensors["d2t"].any()  # not the identity
+        text = (wd / "draft" / fmt / "README.md").read_text()
+        assert VALIDATION_MARK in text and f"{report['formats']['vllm' if fmt == 'checkpoint' else fmt]['acceptance_length']:.3f}" in text
+    assert report["settings"]["draft_vocab_size"] == DRAFT_VOCAB and report["settings"]["vocab_size"] == 105
+
+
+@pytest.mark.vllm
+def test_both_formats_agree_in_vllm(validated):
+    """Real vLLM serves each format with speculative decoding; greedy, the same weights give the same acceptance."""
+    wd, report, _ = validated
+    vllm, spec = report["formats"]["vllm"], report["formats"]["speculators"]
+    summary = f"vllm format {vllm['acceptance_length']:.4f}, speculators {spec['acceptance_length']:.4f}; {wd}"
+    assert vllm["drafts"] > 0 and spec["drafts"] > 0, summary
+    assert spec["served_as"].startswith("vllm serve <draft dir>"), spec["served_as"]  # as its users start it
+    assert abs(vllm["acceptance_length"] - spec["acceptance_length"]) <= 0.01, summary
+    assert report["formats_agree"]["agree"], report["formats_agree"]
+    assert report["checks"]["export_vs_training"] == []  # both formats read back as trained
+    assert not [w for w in report["warnings"] if w["kind"] in ("formats", "disagreement")], report["warnings"]
+
+
+@pytest.mark.vllm
+def test_vllm_reads_d2t(validated):
+    """vLLM stays within 10% of the offline prediction with the right d2t, and falls clearly below
+    it with d2t shifted by one: the check catches a mapping vLLM would read wrongly."""
+    wd, report, wrong = validated
+    offline = report["offline"]["acceptance_length"]
+    summary = (f"offline {offline:.3f}, vLLM {report['eagle3']['acceptance_length']:.3f}, wrong d2t "
+               f"{wrong['acceptance_length']:.3f}; {wd}")
+    assert report["offline"]["target_agreement"] > 0.98, report["offline"]
+    assert offline > 1.5, summary  # a draft worth checking: a small vocabulary still gives a good acceptance
+    for fmt in ("vllm", "speculators"):
+        assert within_prediction(report["formats"][fmt]["acceptance_length"], offline), summary
+    assert not within_prediction(wrong["acceptance_length"], offline), summary
+    assert wrong["acceptance_length"] < 0.75 * offline, summary
+    (wd / "formats.json").write_text(json.dumps({"offline": offline, "wrong_d2t": wrong["acceptance_length"],
+                                                 **{f: r["acceptance_length"] for f, r in report["formats"].items()}}))
