@@ -7,6 +7,12 @@ exit handlers alike; every mode launches vLLM with `launch_env`. The `server.rea
 from `wait_ready`'s answer is JSON that describes the server; it can outlive the server, so
 consumers call `check_sentinel` before use.
 
+A server that listens beyond this machine (slurm mode binds 0.0.0.0; local mode with `server.host`
+not a loopback address) always requires an API key: the user's (`server.api_key_env`), else a random
+key made for the run (`run_key`), kept in a mode-0600 file under the mode-0700 `.eaglenest/` of the
+working directory, which jobs on other nodes read through the shared working directory. The key
+reaches vLLM by environment only (VLLM_API_KEY), never a command line, script, sentinel or log.
+
 A local server is guarded by a watchdog process (`python -m eaglenest.server watch ...`) that stops
 it when the workflow process that asked for it dies (kill -9, a crash of Snakemake itself), so a
 server never outlives its workflow by accident. `keep_server: true` disables the watchdog.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -39,6 +46,10 @@ STOP_GRACE_S = 30.0
 # Snakemake sets these to a job's thread count; vLLM's CPU backend pins its worker to its own cores
 # and, given OMP_NUM_THREADS=2 on a 2-core machine, ran 100x slower (21 vs 2100 tokens/s, measured).
 # A server never inherits them; server.env can still set them.
+# Addresses only this machine reaches: a server bound to anything else requires an API key.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# The run's own API key, relative to the working directory (which jobs on every node share).
+RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -91,15 +102,64 @@ class ServerConfig:
             return [u.rstrip("/") for u in self.urls]
         return [self.local_url]
 
-    def api_key(self) -> str | None:
-        """The API key, read from the environment variable named by `api_key_env` (never stored)."""
-        if not self.api_key_env:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise ServerError(f"server.api_key_env names ${self.api_key_env}, which is not set: "
-                              f"export it before running the workflow")
-        return key
+    @property
+    def needs_key(self) -> bool:
+        """Whether the server the workflow starts listens beyond this machine, so it must require a key:
+        slurm mode (the job binds 0.0.0.0 for other nodes), or local mode on a non-loopback host."""
+        return self.mode == "slurm" or (self.mode == "local" and self.host not in LOOPBACK_HOSTS)
+
+    def api_key(self, create: bool = False) -> str | None:
+        """The API key servers and clients use: the variable named by `api_key_env` (never stored), else,
+        where a server listens beyond this machine, the run's own key (`run_key`; `create` makes it
+        when missing: only what starts a server does), else None."""
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ServerError(f"server.api_key_env names ${self.api_key_env}, which is not set: "
+                                  f"export it before running the workflow")
+            return key
+        return run_key(create=create) if self.needs_key else None
+
+
+def run_key(create: bool = False) -> str:
+    """The run's random API key from RUN_KEY_FILE under the working directory; `create` makes it first
+    when missing (a 0600 file in a 0700 directory, linked into place whole, so concurrent starters
+    agree on one key). Refuses a key file other users can read."""
+    path = RUN_KEY_FILE.resolve()
+    if create and not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        tmp = path.with_name(f".api_key.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_urlsafe(32).encode())
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another starter made it first: use theirs
+        finally:
+            tmp.unlink()
+    try:
+        mode = path.stat().st_mode & 0o777
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        raise ServerError(f"the server requires an API key (it listens beyond this machine) and no "
+                          f"server.api_key_env is set, but the run's key {path} does not exist: the server "
+                          f"was not started by this workflow in this directory. Delete server.ready and "
+                          f"rerun, so the workflow starts the server (and its key) again") from None
+    if mode & 0o077:
+        raise ServerError(f"{path} (the run's API key) is readable by other users (mode {mode:o}): "
+                          f"delete it (the next server start makes a new one) or `chmod 600` it")
+    if not key:
+        raise ServerError(f"{path} (the run's API key) is empty: delete it and rerun")
+    return key
+
+
+def forget_run_key() -> None:
+    """Remove the run's key once no server of this run is left; the next run makes a new one."""
+    RUN_KEY_FILE.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +190,8 @@ def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
         listing = _get_json(f"{url}/v1/models", api_key, timeout)
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            raise ServerError(f"{url}/v1/models refused the API key (HTTP {e.code}): "
-                              f"set server.api_key_env to the variable holding the right key") from e
+            raise ServerError(f"{url}/v1/models refused the request (HTTP {e.code}): "
+                              + key_hint(api_key)) from e
         raise
     entries = (listing.get("data") if isinstance(listing, dict) else None) or []
     models = [m.get("id") for m in entries]
@@ -144,6 +204,14 @@ def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
     return {"models": models, "max_model_len": max_len, "version": version}
 
 
+def key_hint(api_key: str | None) -> str:
+    """What to do when a server answers 401/403: the key sent was missing or wrong."""
+    what = "no API key was sent" if not api_key else "the API key sent is not the server's"
+    return (f"{what}. A server the workflow starts beyond this machine uses the run's key "
+            f"({RUN_KEY_FILE}) unless server.api_key_env names a variable holding one; for a server "
+            f"started otherwise, set server.api_key_env to the variable that holds its key")
+
+
 def is_serving(url: str, model: str, api_key: str | None = None, timeout: float = 5.0) -> bool:
     try:
         return model in probe(url, api_key, timeout)["models"]
@@ -154,9 +222,16 @@ def is_serving(url: str, model: str, api_key: str | None = None, timeout: float 
 def check_sentinel(sentinel_path: str | Path, api_key: str | None = None) -> dict:
     """Re-check that the servers a `server.ready` sentinel describes still answer with its model.
 
-    A sentinel outlives its server (a crash, a stop); this turns that into one clear error."""
+    A sentinel outlives its server (a crash, a stop); this turns that into one clear error. A server
+    that refuses the key raises probe's ServerError, which says so, rather than calling it stale."""
     info = json.loads(Path(sentinel_path).read_text())
-    dead = [u for u in info["urls"] if not is_serving(u, info["model"], api_key)]
+    dead = []
+    for u in info["urls"]:
+        try:
+            if info["model"] not in probe(u, api_key)["models"]:
+                dead.append(u)
+        except (OSError, ValueError):
+            dead.append(u)
     if dead:
         raise ServerError(
             f"{sentinel_path} is stale: the server at {', '.join(dead)} no longer serves "
@@ -305,7 +380,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
     is held by a process that is not ours."""
     check_model_path(cfg.model)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
-    api_key = cfg.api_key()
+    api_key = cfg.api_key(create=True)
     record = read_pidfile(paths)
     if record and alive(record["pid"]):
         if record.get("port") == cfg.port and is_serving(cfg.local_url, cfg.model_id, api_key):

@@ -8,8 +8,10 @@ env): a job found with other settings is cancelled and replaced, as in local mod
 and log are kept in `logs/server/slurm.job.json` (the local mode's pidfile, for SLURM).
 
 vLLM listens on 0.0.0.0 so jobs on other nodes reach it at http://NODE:PORT, where NODE is the
-node's address as SLURM knows it (NodeAddr). The API key goes to the job by environment only
-(sbatch --export=ALL); it is never written into the batch script, the record or a log.
+node's address as SLURM knows it (NodeAddr), so the server always requires an API key (the user's,
+else the run's own: server.run_key). The key goes to the job by environment only: it is in sbatch's
+own environment (sbatch --export=ALL), never on sbatch's command line, in the batch script, the
+record or a log. The rule jobs that talk to the server read it as the workflow does (server.api_key).
 
 A watchdog (`python -m eaglenest.slurm watch ...`) cancels the job when the workflow process that
 asked for it dies, so an idle GPU job does not outlive its workflow until its time limit.
@@ -192,9 +194,11 @@ def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths
 
 
 def settings_hash(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths,
-                  workdir: str | Path | None = None) -> str:
-    """What the job was submitted with (no secret in it): a job with another hash is not reused."""
-    what = [sbatch_command(cfg, settings, paths, workdir), batch_script(cfg), sorted(cfg.env.items())]
+                  workdir: str | Path | None = None, api_key: str | None = None) -> str:
+    """What the job was submitted with: a job with another hash is not reused. The key enters only
+    through a hash of it, so a job serving with an older key is replaced rather than refusing us."""
+    key_digest = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
+    what = [sbatch_command(cfg, settings, paths, workdir), batch_script(cfg), sorted(cfg.env.items()), key_digest]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:12]
 
 
@@ -218,8 +222,8 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     check_model_path(cfg.model)
     workdir = Path(workdir or os.getcwd()).resolve()
     paths.log_dir.mkdir(parents=True, exist_ok=True)
-    api_key = cfg.api_key()
-    name, digest = job_name(cfg, workdir), settings_hash(cfg, settings, paths, workdir)
+    api_key = cfg.api_key(create=True)
+    name, digest = job_name(cfg, workdir), settings_hash(cfg, settings, paths, workdir, api_key)
     comment = f"eaglenest:{digest}"
     record = read_record(paths)
 

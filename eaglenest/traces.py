@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .config import defaults
 from .errors import ServerError, TracesError
-from .server import probe
+from .server import key_hint, probe
 from .util import progress_bar, say, write_atomic
 from .vllm_format import reasoning_of
 
@@ -126,7 +126,7 @@ def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answe
             if not run.errors:
                 raise
             first = run.errors[0]
-            what = f"HTTP {first['status']}{_hint(first['status'])}" if first["status"] else "no answer"
+            what = f"HTTP {first['status']}{_hint(first['status'], api_key)}" if first["status"] else "no answer"
             raise TracesError(f"{name}: {len(run.errors)} of {len(prompts)} requests failed; first: {what} "
                               f"from {first['server']}: {first['body'][:300]}") from None
         with open(output_path, encoding="utf-8") as f:
@@ -243,7 +243,7 @@ class _ShardRun:
         wall = time.monotonic() - t0
         if failure is None and len(self.errors) > self.max_errors:
             first = self.errors[0]
-            what = f"HTTP {first['status']}{_hint(first['status'])}" if first["status"] else "no answer"
+            what = f"HTTP {first['status']}{_hint(first['status'], self.api_key)}" if first["status"] else "no answer"
             failure = (f"{self.shard}: {len(self.errors)} of {len(self.prompts)} requests failed "
                        f"(more than {self.max_error_fraction:.0%}); first: {what} from {first['server']}: "
                        f"{first['body'][:300]}; all of them are in {self.errors_path}; "
@@ -319,7 +319,7 @@ class _ShardRun:
                 self._mark_down(server, answer if status is None else f"HTTP {status}")
             elif status != 200:
                 raise TracesError(f"{self.shard}: server at {server.url}: GET /v1/models answered HTTP {status}"
-                                  f"{_hint(status)}: {answer}")
+                                  f"{_hint(status, self.api_key)}: {answer}")
             elif answer is not None and self.model not in answer:
                 raise TracesError(f"{self.shard}: {_not_served(server.url, answer, self.model)}")
         if all(s.down_since is not None for s in self.servers):
@@ -668,10 +668,11 @@ def _not_served(url, models, model):
             "set the model to the served name (vLLM's --served-model-name)")
 
 
-def _hint(status):
+def _hint(status, api_key=None):
     """What an HTTP status most likely means here, for error messages."""
-    return {401: " (check the API key)", 403: " (check the API key)",
-            404: " (check the model name and URL)"}.get(status, "")
+    if status in (401, 403):
+        return f" (refused: {key_hint(api_key)})"
+    return {404: " (check the model name and URL)"}.get(status, "")
 
 
 def _stem(path):

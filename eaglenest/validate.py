@@ -151,7 +151,7 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     cfg = dataclasses.replace(server, mode="local", extra_args=extra, keep_server=False)
     paths = LocalPaths(Path(log_dir) / name)
     stop_local(paths, log=log)  # a server left by a killed earlier validation
-    api_key = cfg.api_key()
+    api_key = cfg.api_key(create=True)  # the run's own key where server.host is not loopback
     t0 = time.monotonic()
     record = None
     with _sigterm_stops_servers():

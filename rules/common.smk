@@ -16,7 +16,7 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
 from eaglenest.config import ConfigError, validate_config
-from eaglenest.server import ServerConfig, stop_server
+from eaglenest.server import ServerConfig, forget_run_key, stop_server
 from eaglenest.traces import ANSWER_SETTINGS
 
 try:
@@ -89,3 +89,5 @@ def dataset_files(wildcards):
 def stop_server_on_exit(why):
     """The server never outlives the workflow by accident (unless server.keep_server is set)."""
     stop_server(SERVER, SERVER_LOG_DIR, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))
+    if not SERVER.keep_server:
+        forget_run_key()  # no server of this run is left: the next run makes a new key

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from eaglenest.errors import EaglenestError
-from eaglenest.server import (LocalPaths, ServerConfig, ServerError, busy_gpus, check_model_path, check_sentinel,
-                              launch_env, looks_like_local_path, start_local, start_server, stop_local, stop_server,
-                              vllm_command, wait_ready)
+from eaglenest.server import (RUN_KEY_FILE, LocalPaths, ServerConfig, ServerError, busy_gpus, check_model_path,
+                              check_sentinel, forget_run_key, launch_env, looks_like_local_path, run_key, start_local,
+                              start_server, stop_local, stop_server, vllm_command, wait_ready)
 
 TOY = Path(__file__).resolve().parent.parent / "toy" / "target"
 
@@ -34,6 +34,33 @@ def test_missing_api_key_variable_is_named(monkeypatch):
     monkeypatch.delenv("NOPE_KEY", raising=False)
     with pytest.raises(ServerError, match="NOPE_KEY"):
         ServerConfig(api_key_env="NOPE_KEY").api_key()
+
+
+@pytest.mark.parametrize("mode, host, needs", [("local", "127.0.0.1", False), ("local", "localhost", False),
+                                               ("local", "::1", False), ("local", "0.0.0.0", True),
+                                               ("local", "10.1.2.3", True), ("slurm", "127.0.0.1", True),
+                                               ("external", "0.0.0.0", False)])
+def test_a_server_beyond_loopback_needs_a_key(mode, host, needs):
+    assert ServerConfig(mode=mode, host=host).needs_key is needs
+
+
+def test_the_run_key_is_private_shared_by_starters_and_forgotten(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = ServerConfig(mode="local", host="0.0.0.0")
+    with pytest.raises(ServerError, match="api_key does not exist.*Delete server.ready and rerun"):
+        cfg.api_key()  # a client never makes one: only what starts a server does
+    key = cfg.api_key(create=True)
+    assert len(key) >= 40 and cfg.api_key() == key == run_key(create=True)  # one key for every job of the run
+    assert stat.S_IMODE(RUN_KEY_FILE.stat().st_mode) == 0o600
+    assert stat.S_IMODE(RUN_KEY_FILE.parent.stat().st_mode) == 0o700
+    assert sorted(p.name for p in RUN_KEY_FILE.parent.iterdir()) == ["api_key"]  # no temporary file left
+    assert "api_key" not in launch_env(cfg, key) and launch_env(cfg, key)["VLLM_API_KEY"] == key
+    assert ServerConfig(mode="local").api_key() is None  # loopback: no key
+    RUN_KEY_FILE.chmod(0o644)
+    with pytest.raises(ServerError, match="readable by other users.*delete it"):
+        cfg.api_key()
+    forget_run_key()
+    assert cfg.api_key(create=True) != key
 
 
 def test_external_mode_needs_urls():

@@ -208,8 +208,10 @@ def test_answers_without_token_ids_are_refused(tmp_path):
 
 def test_the_servers_are_rechecked_before_the_shard_starts(tmp_path):
     with StubServer(api_key="right") as s:
-        with pytest.raises(TracesError, match="HTTP 401 \\(check the API key\\)"):
+        with pytest.raises(TracesError, match="HTTP 401 \\(refused: the API key sent is not the server's.*server.api_key_env"):
             generate(tmp_path, [s.url], n=5, api_key="wrong")
+        with pytest.raises(TracesError, match="HTTP 401 \\(refused: no API key was sent.*server.api_key_env"):
+            generate(tmp_path, [s.url], n=5)
         with pytest.raises(TracesError, match=f"server at {s.url} serves \\['stub-model'\\], not 'other'"):
             generate_shard(tmp_path / "prompts.jsonl", tmp_path / "out.jsonl", urls=[s.url], model="other",
                            generation=FAST, api_key="right", progress=False)
