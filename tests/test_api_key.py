@@ -1,0 +1,140 @@
+"""A server the workflow starts beyond loopback requires the run's own API key, and the key stays private.
+
+Real vLLM (the toy target) started by the workflow itself (`snakemake traces/shard_0.jsonl`, so the
+server_ready and generate_traces rules are the jobs under test), once through the one-node SLURM
+cluster of ci/slurm_up.sh and once as a local server bound to 0.0.0.0. Each server is shared by the
+tests of its module-scoped fixture and stopped at the end. server.keep_server keeps it up after the
+run so the tests can look at its process, job and files; --notemp keeps server.ready."""
+import contextlib
+import json
+import stat
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import TOY_PROMPTS, run_snakemake, write_config
+from eaglenest.server import RUN_KEY_FILE, ServerConfig, ServerError, probe, read_pidfile, LocalPaths, stop_server
+from eaglenest.slurm import read_record, SlurmPaths
+from test_slurm import _run, _scontrol_job, cluster  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+SMALL = {"dataset": {"path": str(TOY_PROMPTS), "limit": 8, "heldout": 2}, "shards": 2,
+         "generation": {"max_tokens": 16, "concurrency": 4, "request_timeout": 300, "max_retries": 1}}
+
+
+def _start(wd: Path, server: dict) -> dict:
+    """Run the workflow up to one trace shard; the server it starts stays up (keep_server)."""
+    cfg = write_config(wd, **SMALL, server={**server, "keep_server": True})
+    out = run_snakemake(wd, "traces/shard_0.jsonl", "--notemp", timeout=800)
+    key = (wd / RUN_KEY_FILE).read_text().strip()
+    ready = json.loads((wd / "server.ready").read_text())
+    assert ready["version"] and ready["model"] == "toy", ready  # a real vLLM served the toy target
+    print(f"server ready: {ready}")
+    return {"wd": wd, "cfg": ServerConfig.from_dict(cfg["server"]), "key": key, "ready": ready,
+            "url": ready["urls"][0], "run_output": out.stdout + out.stderr}
+
+
+def _vllm_cmdline(port: int) -> str:
+    """The command line of the vLLM API server listening on `port`, as `ps` shows it to everyone."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
+            return b" ".join(argv).decode().strip()
+    pytest.fail(f"no vLLM process listening on port {port} found in /proc")
+
+
+def _get_status(url: str, key: str | None) -> int:
+    req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _files_under(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()]
+
+
+def _check_refuses_strangers_and_serves_its_jobs(s):
+    assert _get_status(s["url"], None) == 401
+    assert _get_status(s["url"], "not-the-key") == 401
+    assert _get_status(s["url"], s["key"]) == 200
+    with pytest.raises(ServerError, match="HTTP 401.*no API key was sent.*server.api_key_env"):
+        probe(s["url"])
+    # The workflow's own job (generate_traces) was served: every question of the shard answered.
+    rows = [json.loads(l) for l in (s["wd"] / "traces/shard_0.jsonl").read_text().splitlines()]
+    assert rows and all(r["completion_token_ids"] for r in rows)
+    with contextlib.chdir(s["wd"]):
+        assert s["cfg"].api_key() == s["key"]  # every job of the run reads the one run key
+
+
+def _check_key_is_private(s, also: list[str]):
+    key_file = s["wd"] / RUN_KEY_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    texts = {"vLLM's command line": _vllm_cmdline(s["cfg"].port), "server.ready": (s["wd"] / "server.ready").read_text(),
+             "snakemake's output": s["run_output"], **{f"extra {i}": t for i, t in enumerate(also)}}
+    for f in _files_under(s["wd"] / "logs") + _files_under(s["wd"] / ".snakemake" / "log"):
+        texts[str(f)] = f.read_text(errors="replace")
+    assert len(texts) > 5
+    leaks = [where for where, text in texts.items() if s["key"] in text]
+    assert not leaks, f"the API key appears in {leaks}"
+
+
+# ---------------------------------------------------------------------------------------------- SLURM
+
+
+@pytest.fixture(scope="module")
+def slurm_server(tmp_path_factory, cluster):  # noqa: F811
+    wd = tmp_path_factory.mktemp("slurm_key")
+    cluster.append("eaglenest-server-")
+    s = _start(wd, {"mode": "slurm", "slurm": {"cpus": 1, "mem": "4G", "gpus": 0, "time": "20:00"}})
+    s["job_id"] = read_record(SlurmPaths(wd / "logs/server"))["job_id"]
+    yield s
+    stop_server(ServerConfig.from_dict({**s["cfg"].__dict__, "keep_server": False}), wd / "logs/server")
+
+
+@pytest.mark.slurm
+def test_slurm_server_refuses_a_request_without_the_key_and_serves_the_workflow(slurm_server):
+    assert slurm_server["ready"]["mode"] == "slurm"
+    _check_refuses_strangers_and_serves_its_jobs(slurm_server)
+
+
+@pytest.mark.slurm
+def test_slurm_server_key_is_in_no_command_line_job_script_sentinel_or_log(slurm_server):
+    job_id = slurm_server["job_id"]
+    shown = _scontrol_job(job_id)
+    assert f"JobId={job_id}" in shown and "JobState=RUNNING" in shown
+    script = _run(["scontrol", "write", "batch_script", job_id, "-"]).stdout
+    assert "vllm.entrypoints.openai.api_server" in script
+    detailed = _run(["scontrol", "--details", "show", "job", job_id]).stdout
+    _check_key_is_private(slurm_server, [shown, detailed, script])
+
+
+# ------------------------------------------------------------------------- local, beyond loopback
+
+
+@pytest.fixture(scope="module")
+def local_server(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("local_key")
+    s = _start(wd, {"mode": "local", "host": "0.0.0.0"})
+    yield s
+    stop_server(ServerConfig.from_dict({**s["cfg"].__dict__, "keep_server": False}), wd / "logs/server")
+
+
+def test_local_server_on_every_interface_refuses_a_request_without_the_key(local_server):
+    assert "--host 0.0.0.0" in _vllm_cmdline(local_server["cfg"].port)
+    _check_refuses_strangers_and_serves_its_jobs(local_server)
+
+
+def test_local_server_key_is_in_no_command_line_sentinel_or_log(local_server):
+    record = read_pidfile(LocalPaths(local_server["wd"] / "logs/server"))
+    assert record and _vllm_cmdline(local_server["cfg"].port) == " ".join(record["command"])
+    _check_key_is_private(local_server, [json.dumps(record)])
