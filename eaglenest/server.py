@@ -48,6 +48,7 @@ STOP_GRACE_S = 30.0
 # A server never inherits them; server.env can still set them.
 # Addresses only this machine reaches: a server bound to anything else requires an API key.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+CHECKOUT = str(Path(__file__).resolve().parent.parent)  # the directory that holds the eaglenest package
 # The run's own API key, relative to the working directory (which jobs on every node share).
 RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -318,14 +319,23 @@ def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str,
     env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:
         env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the log
+        # vLLM imports the key guard (KEY_GUARD) from this checkout, whatever server.env's PYTHONPATH says.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
     return env
 
 
+# vLLM checks its key only under /v1, /v2, /inference, /cohere; this guard covers every other route
+# (eaglenest/vllm_guard.py says what was open without it).
+KEY_GUARD = "eaglenest.vllm_guard.RequireApiKey"
+
+
 def vllm_command(cfg: ServerConfig) -> list[str]:
-    """The command line that starts vLLM's OpenAI server (built in vllm_format)."""
+    """The command line that starts vLLM's OpenAI server (built in vllm_format), plus the key guard
+    where the server has a key. No secret in it: the key goes by environment (launch_env)."""
     if not cfg.model:
         raise ServerError("server.model is empty: give a model path or hub name for vLLM to serve")
-    return vllm_format.vllm_command(cfg)
+    has_key = bool(cfg.api_key_env) or cfg.needs_key
+    return vllm_format.vllm_command(cfg) + (["--middleware", KEY_GUARD] if has_key else [])
 
 
 @dataclass

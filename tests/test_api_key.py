@@ -49,8 +49,10 @@ def _vllm_cmdline(port: int) -> str:
     pytest.fail(f"no vLLM process listening on port {port} found in /proc")
 
 
-def _get_status(url: str, key: str | None) -> int:
-    req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+def _get_status(url: str, key: str | None, path: str = "/v1/models", body: dict | None = None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}{path}", data=data, headers={**headers, "Content-Type": "application/json"})
     try:
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as r:
             return r.status
@@ -66,6 +68,11 @@ def _check_refuses_strangers_and_serves_its_jobs(s):
     assert _get_status(s["url"], None) == 401
     assert _get_status(s["url"], "not-the-key") == 401
     assert _get_status(s["url"], s["key"]) == 200
+    # vLLM's own check covers /v1 etc. only: without the guard these two answered with no key at all.
+    chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _get_status(s["url"], None, "/invocations", chat) == 401
+    assert _get_status(s["url"], None, "/tokenize", {"model": "toy", "prompt": "hi"}) == 401
+    assert _get_status(s["url"], s["key"], "/invocations", chat) == 200
     with pytest.raises(ServerError, match="HTTP 401.*no API key was sent.*server.api_key_env"):
         probe(s["url"])
     # The workflow's own job (generate_traces) was served: every question of the shard answered.

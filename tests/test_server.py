@@ -44,6 +44,18 @@ def test_a_server_beyond_loopback_needs_a_key(mode, host, needs):
     assert ServerConfig(mode=mode, host=host).needs_key is needs
 
 
+def test_a_server_with_a_key_loads_the_key_guard_from_this_checkout(monkeypatch):
+    from eaglenest.server import CHECKOUT, KEY_GUARD
+
+    assert "--middleware" not in vllm_command(ServerConfig(model="m"))  # loopback, no key
+    for cfg in (ServerConfig(model="m", host="0.0.0.0"), ServerConfig(model="m", mode="slurm"),
+                ServerConfig(model="m", api_key_env="K")):
+        cmd = vllm_command(cfg)
+        assert cmd[cmd.index("--middleware") + 1] == KEY_GUARD
+    env = launch_env(ServerConfig(model="m", host="0.0.0.0", env={"PYTHONPATH": "/elsewhere"}), "k")
+    assert env["PYTHONPATH"] == f"{CHECKOUT}{os.pathsep}/elsewhere"
+
+
 def test_the_run_key_is_private_shared_by_starters_and_forgotten(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = ServerConfig(mode="local", host="0.0.0.0")
