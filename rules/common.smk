@@ -28,6 +28,11 @@ except ConfigError as e:
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
 SERVER_LOGS = LocalPaths(Path("logs/server"))
+# hidden.backend vllm: the extraction server (a second server, same lifecycle, own logs and pidfile)
+# and the mode-0700 directory it writes per-request hidden-state files into.
+VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
+HIDDEN_SERVER_LOGS = LocalPaths(Path("logs/hidden_server"))
+HIDDEN_STATES_DIR = "hidden/.vllm_states"
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
@@ -78,10 +83,16 @@ def dataset_files(wildcards):
     return [path] if os.path.exists(path) else []
 
 
+def hidden_server_stopped():
+    """GPU work after extraction waits until the extraction server has released the GPUs."""
+    return ["hidden_server.stopped"] if VLLM_HIDDEN else []
+
+
 def stop_server_on_exit(why):
-    """The server never outlives the workflow by accident (unless server.keep_server is set)."""
+    """The servers never outlive the workflow by accident (unless server.keep_server is set)."""
     log = lambda m: logger.info(f"eaglenest: {m} ({why})")
-    if SERVER.mode == "local" and not SERVER.keep_server:
-        stop_local(SERVER_LOGS, log=log)
-    elif SERVER.mode == "slurm" and not SERVER.keep_server:
-        cancel_server(SlurmPaths(SERVER_LOGS.log_dir), log=log)
+    for paths in (SERVER_LOGS, HIDDEN_SERVER_LOGS):
+        if SERVER.mode == "local" and not SERVER.keep_server:
+            stop_local(paths, log=log)
+        elif SERVER.mode == "slurm" and not SERVER.keep_server:
+            cancel_server(SlurmPaths(paths.log_dir), log=log)

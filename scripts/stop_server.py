@@ -1,4 +1,5 @@
-"""Stop the local generation server once every trace shard is done (unless server.keep_server)."""
+"""Stop a local (or SLURM) server once its last consumer is done (unless server.keep_server): the
+generation server after the traces, the extraction server after the hidden shards."""
 import json
 from pathlib import Path
 
@@ -21,5 +22,5 @@ elif cfg.mode in ("local", "slurm"):
     what = "kept (server.keep_server)"
 else:
     what = f"left alone ({cfg.mode} mode)"
-print(f"generation server: {what}")
+print(f"server ({snakemake.params.log_dir}): {what}")
 Path(snakemake.output[0]).write_text(json.dumps({"server": what}) + "\n")
