@@ -130,6 +130,7 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
         raise
     writer.finish()
     run.close_journal(remove=True)
+    run.remove_orphans()  # files of requests a killed earlier run left in flight
     seconds = time.time() - t_start
     size = os.path.getsize(out_path)
     stats = {**counts, "sequences": len(seqs), "tokens": n_tokens, "resumed": run.resumed,
