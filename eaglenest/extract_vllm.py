@@ -121,6 +121,10 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
                shard=out_path.name.split(".")[0])
     try:
         run.open_journal()
+    except BaseException:
+        os.close(writer.fd)
+        raise
+    try:
         writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
         asyncio.run(run.main())
     except BaseException:
@@ -145,23 +149,20 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
 
 
 def _check_free_disk(out_path, storage, needed, staging):
-    for where, want in _by_filesystem([(Path(out_path).resolve().parent, needed), (storage, staging)]):
+    """Refuse unless each filesystem has room for what goes there (summed where they are one)."""
+    wants = {}
+    for where, want in ((Path(out_path).resolve().parent, needed), (storage, staging)):
         where.mkdir(parents=True, exist_ok=True)
+        dev = os.stat(where).st_dev
+        first, total = wants.get(dev, (where, 0))
+        wants[dev] = (first, total + max(0, want))
+    for where, want in wants.values():
         free = shutil.disk_usage(where).free
         if free < want:
             raise DiskSpaceError(
                 f"not enough free disk for {out_path}: needs {want:,} bytes ({want / 2**30:.2f} GiB) in {where} "
                 f"(the shard and the per-request files of hidden.concurrency requests), {free:,} bytes "
                 f"({free / 2**30:.2f} GiB) free; free space, or lower hidden.max_length or hidden.concurrency")
-
-
-def _by_filesystem(items):
-    total = {}
-    for where, want in items:
-        where.mkdir(parents=True, exist_ok=True)
-        dev = os.stat(where).st_dev
-        total[dev] = (total.get(dev, (where, 0))[0], total.get(dev, (where, 0))[1] + max(0, want))
-    return total.values()
 
 
 def final_norm(x, weight, eps):
@@ -173,8 +174,11 @@ def final_norm(x, weight, eps):
 class _Run:
     def __init__(self, *, seqs, offsets, writer, url, model, storage, ids_wanted, hidden_size, norm, concurrency,
                  request_timeout, max_retries, api_key, progress, shard):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+        self.seqs, self.offsets, self.writer = seqs, offsets, writer  # pass 1's sequences and layout
+        self.url, self.model, self.storage, self.api_key = url, model, storage, api_key
+        self.ids_wanted, self.hidden_size, self.norm = ids_wanted, hidden_size, norm
+        self.concurrency, self.request_timeout, self.max_retries = concurrency, request_timeout, max_retries
+        self.progress, self.shard = progress, shard
         self.journal_path = writer.partial.with_name(writer.partial.name + ".done")
         self.done, self.resumed, self.sent, self.tokens_sent = set(), 0, 0, 0
         self.lock = threading.Lock()

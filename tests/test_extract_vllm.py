@@ -128,7 +128,8 @@ def _random_traces(path, n, seed=0):
     with open(path, "w") as f:
         for i in range(n):
             prompt = [rng.randrange(3, 105) for _ in range(rng.randint(5, 40))]
-            completion = [rng.randrange(3, 105) for _ in range(rng.randint(20, 300))]
+            # t0 is max_length (512) long: vLLM must still fit its one generated token (max_model_len 513)
+            completion = [rng.randrange(3, 105) for _ in range(512 - len(prompt) if i == 0 else rng.randint(20, 300))]
             f.write(json.dumps({"id": f"t{i}", "prompt_token_ids": prompt, "completion_token_ids": completion,
                                 "truncated": False}) + "\n")
     return path
@@ -192,6 +193,7 @@ def test_server_death_mid_shard_fails_clearly_keeps_finished_and_rerun_completes
     t.join(timeout=300)
     assert isinstance(result.get("error"), ExtractError), result
     message = str(result["error"])
+    print("\nthe error when the extraction server died:", message)
     assert ("stopped answering" in message or "never wrote" in message) and "rerun" in message, message
     before = _finished(journal)
     assert len(before) >= 100 and out.with_name(out.name + ".partial").exists() and not out.exists()
