@@ -38,5 +38,14 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa
     info = _scontrol_job(server_job)
     assert "JobName=eaglenest-server-" in info and "JobState=CANCELLED" in info, info
     assert "server ready" in (wd / "logs/server_ready.log").read_text()
+    # hidden.backend vllm (the default): the extraction server was a second SLURM job, cancelled
+    # once the last hidden shard was extracted.
+    hidden_logs = list((wd / "logs/hidden_server").glob("vllm.slurm-*.log"))
+    assert len(hidden_logs) == 1
+    hidden_job = hidden_logs[0].name.split("-")[1].split(".")[0]
+    info = _scontrol_job(hidden_job)
+    assert "JobName=eaglenest-server-" in info and "JobState=CANCELLED" in info, info
+    assert "extract_hidden_states" in hidden_logs[0].read_text()
+    assert "extract_hidden_vllm" in rule_jobs.values()
     assert (wd / "draft/checkpoint/config.json").exists() and (wd / "draft/checkpoint/model.safetensors").exists()
-    print(f"SLURM run: {len(submitted)} rule jobs + server job {server_job} in {seconds:.0f} s; {rule_jobs}")
+    print(f"SLURM run: {len(submitted)} rule jobs + server jobs {server_job}, {hidden_job} in {seconds:.0f} s; {rule_jobs}")
