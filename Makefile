@@ -28,8 +28,10 @@ endif
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
-# The SLURM tests run against a real one-node cluster on this machine (needs root, as CI has).
+# Lint first (seconds), then the tests. The SLURM tests run against a real one-node cluster on this
+# machine (needs root, as CI has).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	bash ci/slurm_up.sh
 	$(PY) -m pytest -ra --timeout=1800 tests
 

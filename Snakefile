@@ -1,4 +1,4 @@
-# eaglenest: a served target LLM -> an EAGLE-3 draft that vLLM loads. See README.md and DESIGN.md.
+# eaglenest: a served target LLM -> an EAGLE-3 draft that vLLM loads. See README.md and docs/dag.md.
 import os
 
 from snakemake.utils import min_version

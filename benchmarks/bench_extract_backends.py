@@ -32,7 +32,8 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from eaglenest.extract_vllm import extract_hidden_vllm, hidden_server_config, layer_ids
-    from eaglenest.hidden import extract_hidden, save_target_head
+    from eaglenest.hidden import extract_hidden
+    from eaglenest.target import save_target_head
     from eaglenest.server import LocalPaths, start_local, stop_local, wait_ready
     from eaglenest.vllm_connector import read_states, storage_dir
 

@@ -1,24 +1,48 @@
 """Validate a workflow config against schemas/config.schema.yaml and fill in its defaults.
 
+The schema is the only source of defaults: the workflow hands the library a resolved config, and
+library code called without Snakemake (tests, notebooks) takes its defaults from `defaults(section)`.
 Errors name the key path (`generation.max_tokens`) and what is wrong, before any job runs."""
 
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import field
 from pathlib import Path
 
 import jsonschema
 import yaml
 
+from .errors import ConfigError
+
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 
-class ConfigError(ValueError):
-    """A config the user wrote is wrong; the message names the key."""
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     return yaml.safe_load(Path(path).read_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _resolved_defaults() -> dict:
+    return _fill_defaults(load_schema(), {})
+
+
+def defaults(section: str = "") -> dict:
+    """The schema's defaults for one section, e.g. ``defaults("train")`` or ``defaults("server.slurm")``
+    (a fresh copy: the caller may change it). An empty section gives the whole default config."""
+    value = _resolved_defaults()
+    for key in filter(None, section.split(".")):
+        value = value[key]
+    return copy.deepcopy(value)
+
+
+def schema_field(section: str, key: str):
+    """A dataclass field whose default is the schema's `section.key` default (one source of defaults)."""
+    value = defaults(section)[key]
+    return field(default_factory=lambda: copy.deepcopy(value))
 
 
 def _fill_defaults(schema: dict, value):

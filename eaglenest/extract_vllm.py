@@ -32,27 +32,26 @@ import glob
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm import tqdm
 
-from .hidden import (DiskSpaceError, ShardWriter, estimate_bytes, load_target_head, say, shard_layout,
-                     shard_sequences)
+from .errors import DiskSpaceError, EaglenestError
+from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
 from .server import ServerConfig
+from .target import load_target_head
+from .util import progress_bar, say
 from .vllm_connector import read_states, remove_states, server_args
 
 BACKEND = "vllm"
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 
 
-class ExtractError(RuntimeError):
+class ExtractError(EaglenestError, RuntimeError):
     """A failure the user can fix (server down, wrong server, a file that does not match)."""
 
 
@@ -233,9 +232,8 @@ class _Run:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         timeout = aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=min(30.0, self.request_timeout))
-        self.pbar = tqdm(total=int(self.offsets[-1]), initial=sum(len(self.seqs[k][1]) for k in self.done),
-                         unit="tok", desc=f"extract {self.shard}", file=sys.stderr, disable=not self.progress,
-                         mininterval=0.5 if sys.stderr.isatty() else 30.0)
+        self.pbar = progress_bar(total=int(self.offsets[-1]), initial=sum(len(self.seqs[k][1]) for k in self.done),
+                                 unit="tok", desc=f"extract {self.shard}", disable=not self.progress)
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         try:
             async with aiohttp.ClientSession(headers=headers, timeout=timeout,

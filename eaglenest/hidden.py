@@ -18,52 +18,28 @@ A shard costs ``8*H + 9`` bytes per token (plus 8 per sequence); it is written i
 then each batch's rows at their offsets) so it is never held whole in memory, under a ``.partial``
 name that is renamed once complete. Readers use ``safe_open`` (memory-mapped).
 
-What training needs of the target's head is saved once, beside the shards, by ``save_target_head``:
-``target_head.safetensors`` (``embed_tokens.weight``, ``lm_head.weight``, ``norm.weight``) and
-``target_head.json`` (sizes, rms eps, rope, layer count, aux layer ids). Training reads the shards
-and the head only while it runs: the shards may be deleted (Snakemake ``temp()``) once it finishes.
+What training needs of the target's head is saved once, beside the shards, by
+``target.save_target_head`` (the target itself, its loading and its aux-state capture live in
+``target``). Training reads the shards and the head only while it runs: the shards may be deleted (Snakemake ``temp()``) once it finishes.
 """
 
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from .layers import check_aux_layers, default_aux_layers
+from .errors import DiskSpaceError
+from .target import AuxCapture, decoder_of, load_target, target_info
+from .util import progress_bar, say
 
 FORMAT = "eaglenest.hidden/1"
-HEAD_FORMAT = "eaglenest.target_head/1"
 STORE_DTYPE = torch.bfloat16
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
-
-
-def say(message):
-    """One line for the rule's log (stderr, where the progress bars go too)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-class DiskSpaceError(OSError):
-    """Not enough free disk for a shard: the message says needed vs free bytes and where."""
-
-
-def save_safetensors(tensors, path, metadata=None):
-    """Write a safetensors file atomically (a ``.partial`` renamed into place), readable by all
-    (safetensors itself creates files 0600)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- trace records
@@ -146,146 +122,6 @@ def shard_layout(seqs, *, aux_layers, hidden_size, target, max_length, **extra_m
         **extra_metadata,
     }
     return specs, metadata, offsets
-
-
-# ----------------------------------------------------------------------------- target loading
-
-
-def resolve_device(device="auto"):
-    """'auto' -> 'cuda' when a GPU is present, else 'cpu'."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _torch_dtype(dtype, config=None):
-    if dtype == "auto":
-        return getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return getattr(torch, dtype)
-
-
-def load_target(target, *, device="auto", dtype="bfloat16"):
-    """The target as a transformers CausalLM in eval mode; over several GPUs with device_map="auto"
-    (which needs the ``accelerate`` package), else whole on one device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(target)
-    device = resolve_device(device)
-    torch_dtype = _torch_dtype(dtype, config)
-    if device == "cuda" and torch.cuda.device_count() > 1:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, device_map="auto")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device)
-    return model.eval()
-
-
-def _decoder(model):
-    decoder = model.get_decoder()
-    if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
-        raise ValueError(
-            f"{type(model).__name__}: its decoder ({type(decoder).__name__}) has no .layers/.norm; "
-            "eaglenest knows Llama-style decoders only"
-        )
-    return decoder
-
-
-def target_info(config, aux_layers=None) -> dict:
-    """The facts about the target that training and export need (from its transformers config)."""
-    text = config.get_text_config()
-    num_layers = text.num_hidden_layers
-    aux = check_aux_layers(aux_layers, num_layers) if aux_layers is not None else default_aux_layers(num_layers)
-    heads = text.num_attention_heads
-    return {
-        "architectures": list(getattr(config, "architectures", None) or []),
-        "model_type": text.model_type,
-        "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "vocab_size": text.vocab_size,
-        "rms_norm_eps": text.rms_norm_eps,
-        "rope_parameters": dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
-        "max_position_embeddings": text.max_position_embeddings,
-        "aux_layers": list(aux),
-        "last_hidden": "post_norm",
-    }
-
-
-# ----------------------------------------------------------------------------- target head
-
-
-def _head_weights_from_checkpoint(target, config):
-    """The three head tensors read straight from a local safetensors checkpoint, or None.
-
-    A meta-device copy of the model gives the parameter names; nothing else of the target is read,
-    so this costs seconds even for a very large target.
-    """
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    root = Path(target)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        return None
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    wanted = {
-        "embed_tokens.weight": meta.get_input_embeddings().weight,
-        "lm_head.weight": meta.get_output_embeddings().weight,
-        "norm.weight": _decoder(meta).norm.weight,
-    }
-    weights = {}
-    for key, param in wanted.items():
-        # a tied lm_head has two names for one tensor: take the one the checkpoint stores
-        names = [n for n, p in meta.named_parameters(remove_duplicate=False) if p is param and n in weight_map]
-        if not names:
-            return None
-        with safe_open(str(root / weight_map[names[0]]), framework="pt") as f:
-            weights[key] = f.get_tensor(names[0])
-    return weights
-
-
-def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
-    """Save embed_tokens / lm_head / final-norm weights and the target's facts, once per target.
-
-    Writes ``head_path`` (safetensors) and ``head_path`` with suffix ``.json``; returns the info.
-    The weights come from ``model`` when given, else straight from the target's safetensors files,
-    else (a hub name, unusual names) from loading the whole target on CPU.
-    """
-    from transformers import AutoConfig
-
-    config = model.config if model is not None else AutoConfig.from_pretrained(target)
-    info = {**target_info(config, aux_layers), "target": str(target)}
-    weights = None if model is not None else _head_weights_from_checkpoint(target, config)
-    if weights is None:
-        model = model if model is not None else load_target(target, device="cpu", dtype="auto")
-        weights = {
-            "embed_tokens.weight": model.get_input_embeddings().weight,
-            "lm_head.weight": model.get_output_embeddings().weight,
-            "norm.weight": _decoder(model).norm.weight,
-        }
-    weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
-    Path(head_path).with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
-
-
-def load_target_head(head_path, device="cpu"):
-    """``(tensors, info)`` saved by ``save_target_head``."""
-    from safetensors.torch import load_file
-
-    head_path = Path(head_path)
-    info = json.loads(head_path.with_suffix(".json").read_text())
-    return load_file(str(head_path), device=str(device)), info
 
 
 # ----------------------------------------------------------------------------- shard writing
@@ -377,35 +213,6 @@ def _length_batches(lengths, batch_tokens):
     return batches
 
 
-class _AuxCapture:
-    """Forward hooks that record the residual stream at the given vLLM ids (see layers.py)."""
-
-    def __init__(self, decoder, aux_layers):
-        self.states, self.handles = {}, []
-        layers = decoder.layers
-        for i in aux_layers:
-            if i == 0:  # the state entering layer 0: the embeddings
-                self.handles.append(layers[0].register_forward_pre_hook(self._pre_hook(0), with_kwargs=True))
-            else:  # id i = the output of layer i-1
-                self.handles.append(layers[i - 1].register_forward_hook(self._hook(i)))
-
-    def _pre_hook(self, i):
-        def hook(module, args, kwargs):
-            self.states[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def _hook(self, i):
-        def hook(module, args, output):
-            self.states[i] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
 def extract_hidden(
     trace_paths,
     out_path,
@@ -417,7 +224,6 @@ def extract_hidden(
     batch_tokens=16384,
     device="auto",
     dtype="bfloat16",
-    head_path=None,
     progress=True,
     model=None,
 ) -> dict:
@@ -425,9 +231,8 @@ def extract_hidden(
 
     ``target`` is a transformers model directory or hub name (``model``, an already loaded target,
     skips loading). ``dtype`` is the dtype the target runs in: bf16 matches what vLLM serves with
-    ``--dtype auto`` (it downcasts fp32 checkpoints). ``head_path``, when given, also saves the target
-    head there (``save_target_head``). Refuses with ``DiskSpaceError`` before any work when the disk
-    is short. Returns counts, bytes and speed.
+    ``--dtype auto`` (it downcasts fp32 checkpoints). Refuses with ``DiskSpaceError`` before any work
+    when the disk is short. Returns counts, bytes and speed.
     """
     from transformers import AutoConfig
 
@@ -451,15 +256,13 @@ def extract_hidden(
 
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
-    if head_path is not None:
-        save_target_head(target, head_path, aux_layers=aux_layers, model=model)
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     first_device = model.get_input_embeddings().weight.device
 
     writer = ShardWriter(out_path, specs, metadata)
-    capture = _AuxCapture(decoder, aux_layers)
+    capture = AuxCapture(decoder, aux_layers)
     n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
-    bar = tqdm(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
+    bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
 
     def write_batch(batch, aux, last):
         for b, k in enumerate(batch):

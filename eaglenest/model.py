@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vllm_format import draft_to_target_ids
+
 
 @dataclass
 class DraftConfig:
@@ -56,7 +58,7 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, info: dict, draft_vocab_size: int, **overrides):
-        """Sizes default to the target's (``info`` as in hidden.target_info); ``overrides`` win when not None."""
+        """Sizes default to the target's (``info`` as in target.target_info); ``overrides`` win when not None."""
         cfg = {
             "hidden_size": info["hidden_size"],
             "intermediate_size": info["intermediate_size"],
@@ -242,7 +244,7 @@ class Eagle3Draft(nn.Module):
 
     def draft_ids(self):
         """Target id of every draft id."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return draft_to_target_ids(self.d2t)
 
     def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096):
         """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
@@ -256,14 +258,49 @@ class Eagle3Draft(nn.Module):
         base = torch.arange(T, device=input_ids.device)
         past, outs = [], []
         for j in range(ttt_length):
-            embeds = F.embedding(tokens[:, 1 + j : 1 + j + T], self.embed_weight).to(self.fc.weight.dtype)
-            cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
-            hidden, kv = self.midlayer(embeds, hidden, cos, sin, past, self.step_mask(T, j, input_ids.device))
-            past.append(kv)
+            hidden = self.step(tokens[:, 1 + j : 1 + j + T], hidden, base, j, past)
             outs.append(self.norm(hidden))
         if targets is None:
             return outs
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+
+    def step(self, token_ids, hidden, base, j, past):
+        """Draft step ``j`` over [B, T] base positions ``base``: ``token_ids`` [B, T] are the tokens it
+        reads, ``hidden`` [B, T, H] the previous step's pre-norm output (the fused target features at
+        j = 0). Appends this step's (k, v) to ``past``; returns the pre-norm output [B, T, H]."""
+        embeds = F.embedding(token_ids, self.embed_weight).to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
+        hidden, kv = self.midlayer(embeds, hidden, cos, sin, past, self.step_mask(len(base), j, base.device))
+        past.append(kv)
+        return hidden
+
+    @torch.no_grad()
+    def propose(self, input_ids, aux_hidden, k):
+        """What vLLM's EAGLE-3 proposer drafts at every position of one sequence: target ids [T, k].
+
+        ``input_ids`` [T] int64, ``aux_hidden`` [T, 3·Ht] the target's states at the draft's layer ids.
+        Row t is the chain drafted after the target has verified tokens 0..t and sampled token t+1:
+        step 0 takes the target's fused features at t and token t+1 at position t; step j takes this
+        chain's own token of step j-1 and the pre-norm output at position t+j, attending to step 0's
+        keys at positions <= t (vLLM's KV cache, always rebuilt from target features at accepted
+        positions) plus its own chain's keys (llm_base_proposer.propose): the training-time test with
+        the draft's own tokens in place of the sequence's. The last row, which has no token t+1 to
+        start from, is -1.
+        """
+        T = input_ids.shape[0]
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        ids = torch.cat([input_ids[1:], input_ids.new_zeros(1)]).to(dev).unsqueeze(0)  # token t+1 at row t
+        hidden = self.fc(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
+        base = torch.arange(T, device=dev)
+        draft_to_target = self.draft_ids()
+        past, proposals = [], []
+        for j in range(k):
+            hidden = self.step(ids, hidden, base, j, past)
+            ids = draft_to_target[(self.norm(hidden) @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
+            proposals.append(ids[0])
+        out = torch.stack(proposals, dim=1).cpu()
+        out[T - 1 :] = -1  # no token t+1 to start from
+        return out
 
 
 # ----------------------------------------------------------------------------- loss

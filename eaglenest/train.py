@@ -21,39 +21,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from .hidden import HiddenShards, load_target_head, resolve_device, save_safetensors, say
+from .config import defaults
+from .hidden import HiddenShards
 from .model import DraftConfig, Eagle3Draft
+from .target import load_target_head, resolve_device
+from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
-DEFAULTS = {
-    "ttt_length": 7,
-    "ttt_decay": 0.8,  # step j weighs decay**j
-    "lr": 1e-4,
-    "min_lr_ratio": 0.0,  # cosine decays to lr * min_lr_ratio
-    "warmup_steps": None,  # None: 5% of the steps
-    "epochs": 1,
-    "max_steps": None,  # when set, wins over epochs
-    "batch_tokens": 8192,  # padded tokens (sequences x longest) per micro-batch
-    "batch_size": None,  # optional cap on sequences per micro-batch
-    "grad_accum": 1,
-    "clip": 0.5,
-    "weight_decay": 0.0,
-    "seed": 0,
-    "norm_before_residual": False,
-    "intermediate_size": None,  # draft sizes: None = the target's
-    "num_attention_heads": None,
-    "num_key_value_heads": None,
-    "head_dim": None,
-    "init_from_target": True,  # start lm_head (draft-vocab rows) and norm from the target's
-    "save_every": 100,  # steps between resumable states
-    "keep_states": 2,
-    "loss_chunk": 4096,  # rows of draft logits alive at once in the loss
-    "attention": "sdpa",  # "flex": block-sparse training-time-test attention on CUDA (model.ttt_block_mask)
-}
+# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
+# documents each one and holds its default (the only place it is written).
+DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
+            "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
 
 def resolve_config(config):
@@ -182,10 +163,8 @@ def _state_files(state_dir):
 
 
 def _save_state(state_dir, step, state, keep):
-    path = Path(state_dir) / f"step_{step}.pt"
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_path(Path(state_dir) / f"step_{step}.pt", fsync=False) as tmp:
+        torch.save(state, tmp)
     for old in _state_files(state_dir)[keep:]:
         old.unlink(missing_ok=True)
 
@@ -195,11 +174,7 @@ def _write_metrics(path, rows):
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomic(path, buf.getvalue())
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True) -> dict:
@@ -269,7 +244,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     stream = micro_batch_stream(lengths, cfg, start=step * accum * world)
     n_tokens_total = 0
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
+    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
     while step < total_steps:
         t0 = time.time()
         for g in opt.param_groups:

@@ -1,6 +1,6 @@
 """The draft vocabulary: the most frequent completion tokens of the traces.
 
-``vocab.safetensors`` holds vLLM's two maps:
+``vocab.safetensors`` holds vLLM's two maps (their convention: ``vllm_format``):
 
     d2t  int64 [draft_vocab]  offsets: target_id = draft_id + d2t[draft_id]
     t2d  bool  [vocab]        True where a target token is in the draft vocabulary
@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .hidden import iter_trace_tokens, save_safetensors, say
+from .hidden import iter_trace_tokens
+from .util import save_safetensors, say
+from .vllm_format import d2t_from_target_ids, draft_to_target_ids
 
 
 def select_vocab(counts, draft_vocab_size):
@@ -28,15 +30,10 @@ def select_vocab(counts, draft_vocab_size):
 def maps_from_ids(target_ids, target_vocab_size):
     """``(d2t, t2d)`` for ascending target ids."""
     target_ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.int64)
-    d2t = target_ids - torch.arange(len(target_ids), dtype=torch.int64)
+    d2t = d2t_from_target_ids(target_ids)
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
     t2d[target_ids] = True
     return d2t, t2d
-
-
-def draft_to_target_ids(d2t):
-    """Target id of every draft id."""
-    return torch.arange(len(d2t), device=d2t.device) + d2t
 
 
 def build_vocab(trace_paths, out_path, target_vocab_size, draft_vocab_size=32000, use_truncated=True) -> dict:

@@ -1,24 +1,23 @@
-# Config validation, paths and helpers shared by every rule file.
+# Config validation, paths and helpers shared by the rule files (the Snakefile includes this first).
 import os
 import shutil
 import sys
-from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
-# Rule scripts import the eaglenest package from this checkout, also inside conda environments.
+# Rule scripts (and the processes they start: watchdogs, torchrun) import the eaglenest package from
+# this checkout, also inside conda environments. This sets PYTHONPATH for them; it requires nothing of
+# the caller's environment, so there is no `envvars:` to declare.
 sys.path.insert(0, workflow.basedir)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
-)
+os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p))
 # The process that owns the local server: its watchdog stops the server when this process dies.
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
 from eaglenest.config import ConfigError, validate_config
-from eaglenest.server import LocalPaths, ServerConfig, stop_local
-from eaglenest.slurm import SlurmPaths, cancel_server
+from eaglenest.server import ServerConfig, stop_server
+from eaglenest.traces import ANSWER_SETTINGS
 
 try:
     config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
@@ -27,11 +26,11 @@ except ConfigError as e:
 
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
-SERVER_LOGS = LocalPaths(Path("logs/server"))
-# hidden.backend vllm: the extraction server (a second server, same lifecycle, own logs and pidfile)
-# and the mode-0700 directory it writes per-request hidden-state files into.
+SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
+# hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and
+# pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
 VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
-HIDDEN_SERVER_LOGS = LocalPaths(Path("logs/hidden_server"))
+HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
 HIDDEN_STATES_DIR = "hidden/.vllm_states"
 
 
@@ -47,7 +46,7 @@ def all_cores():
 
 
 def gpus(section):
-    """GPUs a rule asks for: `<section>.gpus`, else one where this machine has a GPU."""
+    """GPUs for the jobs of one config section: `<section>.gpus`, else one where this machine has a GPU."""
     n = config[section].get("gpus")
     return int(HAS_GPU) if n is None else n
 
@@ -73,8 +72,7 @@ def hidden_output(path):
 
 def answer_settings():
     """The settings that change the answers (the served model included): a change reruns the traces."""
-    keys = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
-    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in keys}}
+    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in ANSWER_SETTINGS}}
 
 
 def dataset_files(wildcards):
@@ -90,9 +88,5 @@ def hidden_server_stopped():
 
 def stop_server_on_exit(why):
     """The servers never outlive the workflow by accident (unless server.keep_server is set)."""
-    log = lambda m: logger.info(f"eaglenest: {m} ({why})")
-    for paths in (SERVER_LOGS, HIDDEN_SERVER_LOGS):
-        if SERVER.mode == "local" and not SERVER.keep_server:
-            stop_local(paths, log=log)
-        elif SERVER.mode == "slurm" and not SERVER.keep_server:
-            cancel_server(SlurmPaths(paths.log_dir), log=log)
+    for log_dir in (SERVER_LOG_DIR, HIDDEN_SERVER_LOG_DIR):
+        stop_server(SERVER, log_dir, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))

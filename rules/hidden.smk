@@ -30,7 +30,7 @@ if VLLM_HIDDEN:
         params:
             server=config["server"],
             hidden=config["hidden"],
-            log_dir=str(HIDDEN_SERVER_LOGS.log_dir),
+            log_dir=HIDDEN_SERVER_LOG_DIR,
             states_dir=HIDDEN_STATES_DIR,
         log:
             "logs/hidden_server_ready.log",
@@ -70,7 +70,7 @@ if VLLM_HIDDEN:
             "hidden_server.stopped",
         params:
             server=config["server"],
-            log_dir=str(HIDDEN_SERVER_LOGS.log_dir),
+            log_dir=HIDDEN_SERVER_LOG_DIR,
         log:
             "logs/stop_hidden_server.log",
         script:

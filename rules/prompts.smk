@@ -6,7 +6,8 @@ rule prepare_prompts:
         heldout="data/prompts/heldout.jsonl",
         stats="data/prompts/stats.json",
     params:
-        dataset=config["dataset"],
+        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun.
+        dataset={k: v for k, v in config["dataset"].items() if k != "cache_dir"},
         shards=config["shards"],
     conda:
         "../envs/eaglenest.yaml"

@@ -12,7 +12,9 @@ rule server_ready:
         temp("server.ready"),
     params:
         server=config["server"],
-        log_dir=str(SERVER_LOGS.log_dir),
+        log_dir=SERVER_LOG_DIR,
+    conda:
+        "../envs/eaglenest.yaml"
     log:
         "logs/server_ready.log",
     script:
@@ -27,7 +29,9 @@ rule stop_server:
         "server.stopped",
     params:
         server=config["server"],
-        log_dir=str(SERVER_LOGS.log_dir),
+        log_dir=SERVER_LOG_DIR,
+    conda:
+        "../envs/eaglenest.yaml"
     log:
         "logs/stop_server.log",
     script:

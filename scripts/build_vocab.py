@@ -3,7 +3,7 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.hidden import load_target_head
+from eaglenest.target import load_target_head
 from eaglenest.vocab import build_vocab
 
 _, info = load_target_head(snakemake.input.head)

@@ -10,4 +10,5 @@ from eaglenest.prompts import prepare_prompts
 ds = snakemake.params.dataset
 prepare_prompts(ds["path"], Path(snakemake.output.heldout).parent, shards=snakemake.params.shards,
                 split=ds["split"], limit=ds["limit"], heldout=ds["heldout"], seed=ds["seed"],
-                keep_system=ds["keep_system"], max_prompt_chars=ds["max_prompt_chars"])
+                keep_system=ds["keep_system"], max_prompt_chars=ds["max_prompt_chars"],
+                cache_dir=snakemake.config["dataset"]["cache_dir"])

@@ -3,7 +3,8 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.hidden import save_target_head
+from eaglenest.target import save_target_head
+from eaglenest.util import say
 
 info = save_target_head(snakemake.params.target, snakemake.output[0], aux_layers=snakemake.params.aux_layers)
-print(f"target head saved: vocab {info['vocab_size']}, hidden {info['hidden_size']}, aux layers {info['aux_layers']}")
+say(f"target head saved: vocab {info['vocab_size']}, hidden {info['hidden_size']}, aux layers {info['aux_layers']}")

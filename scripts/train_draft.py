@@ -10,6 +10,7 @@ to_log(snakemake.log[0])
 import torch
 
 from eaglenest.train import train_draft
+from eaglenest.util import say
 
 config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
 nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]
@@ -20,7 +21,7 @@ if nproc > 1:
            "-m", "eaglenest.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
            "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"],
            "--config", json.dumps(config), "--device", device]
-    print("launching:", " ".join(cmd), flush=True)
+    say("launching: " + " ".join(cmd))
     sys.exit(subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode)
 torch.set_num_threads(max(1, snakemake.threads))
 train_draft(args["hidden"], args["vocab"], args["out"], args["metrics"], head_path=args["head"],

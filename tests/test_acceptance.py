@@ -17,7 +17,9 @@ import pytest
 from conftest import BASE_CONFIG, TOY_TARGET, run_snakemake, write_config
 from eaglenest.export import export_untrained
 from eaglenest.server import ServerConfig
-from eaglenest.validate import measure_run, offline_acceptance, read_prompts, request_body, speculative_config
+from eaglenest.predict import offline_acceptance
+from eaglenest.validate import measure_run, read_prompts, request_settings
+from eaglenest.vllm_format import speculative_config
 
 pytestmark = pytest.mark.vllm
 K = 3
@@ -58,16 +60,16 @@ def served(tmp_path_factory):
                      config={k: v for k, v in TRAIN.items()})
     prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
     server = ServerConfig.from_dict(cfg["server"])
-    body = request_body(cfg["generation"]["max_tokens"])
+    settings = request_settings(cfg["generation"]["max_tokens"])
     runs = {}
     for name, draft in (("trained", wd / "draft/checkpoint"), ("untrained", wd / "untrained")):
-        runs[name] = measure_run(name, server, speculative_config("eagle3", K, draft), prompts, body,
+        runs[name] = measure_run(name, server, speculative_config("eagle3", K, draft), prompts, settings,
                                  log_dir=wd / "logs/validate", concurrency=8, warmup_requests=1,
                                  workflow_pid=os.getpid())
     # The offline prediction on the very tokens vLLM served: it must agree with vLLM's counters.
     answers = runs["trained"]["answers"]
     runs["offline"] = offline_acceptance(TOY_TARGET, wd / "draft/checkpoint", k=K, dtype=dtype, device="cpu",
-                                         sequences=[(a["prompt_token_ids"], a["token_ids"]) for a in answers],
+                                         sequences=[(a["prompt_token_ids"], a["completion_token_ids"]) for a in answers],
                                          progress=False)
     runs["seconds"] = {"workflow": round(t_workflow, 1), "total": round(time.monotonic() - t0, 1)}
     (wd / "acceptance.json").write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "answers"}

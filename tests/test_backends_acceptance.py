@@ -14,7 +14,8 @@ import pytest
 
 from conftest import run_snakemake, write_config
 from eaglenest.server import ServerConfig
-from eaglenest.validate import measure_run, read_prompts, request_body, speculative_config
+from eaglenest.validate import measure_run, read_prompts, request_settings
+from eaglenest.vllm_format import speculative_config
 from test_acceptance import K, TRAIN, _free_port
 
 pytestmark = pytest.mark.vllm
@@ -36,10 +37,10 @@ def drafts(tmp_path_factory):
     assert "generate_traces" not in out.stdout + out.stderr, "the copied traces were used as they are"
     prompts = read_prompts(wd_v / "data/prompts/heldout.jsonl")
     server = ServerConfig.from_dict(cfg["server"])
-    body = request_body(cfg["generation"]["max_tokens"])
+    settings = request_settings(cfg["generation"]["max_tokens"])
     runs = {}
     for name, wd in (("vllm", wd_v), ("transformers", wd_t)):
-        run = measure_run(name, server, speculative_config("eagle3", K, wd / "draft/checkpoint"), prompts, body,
+        run = measure_run(name, server, speculative_config("eagle3", K, wd / "draft/checkpoint"), prompts, settings,
                           log_dir=wd / "logs/validate", concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
         runs[name] = {k: v for k, v in run.items() if k != "answers"}
     runs["seconds"] = round(time.monotonic() - t0, 1)

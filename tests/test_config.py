@@ -50,3 +50,54 @@ def test_snakemake_refuses_bad_config_before_any_job(tmp_path):
     assert out.returncode != 0
     assert "max_tokenz" in out.stdout + out.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_every_schema_default_reaches_the_code_unchanged():
+    """The schema is the only place a default is written: what the library falls back to, when a
+    key is not given, is exactly the schema's default."""
+    import dataclasses
+
+    from eaglenest import prompts, traces, train, validate
+    from eaglenest.config import defaults
+    from eaglenest.server import ServerConfig
+    from eaglenest.slurm import SlurmSettings
+
+    resolved = validate_config({})
+    assert defaults() == resolved
+    assert dataclasses.asdict(ServerConfig()) == resolved["server"]
+    assert ServerConfig.from_dict(resolved["server"]) == ServerConfig()
+    assert dataclasses.asdict(SlurmSettings()) == resolved["server"]["slurm"]
+    assert SlurmSettings.from_dict(resolved["server"]["slurm"]) == SlurmSettings()
+    # Numbers may come back as floats (0 and 0.0 must fingerprint alike); the values are the same.
+    assert traces._generation_settings({}) == resolved["generation"]
+    assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
+    assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
+                                        "norm_before_residual": resolved["draft"]["norm_before_residual"]}
+    assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77}
+    assert validate.resolve_settings(resolved["validate"], resolved["generation"])["max_tokens"] == \
+        resolved["generation"]["max_tokens"]
+    assert prompts.CACHE_DIR == resolved["dataset"]["cache_dir"]
+
+
+def test_library_keyword_defaults_agree_with_the_schema():
+    """Where a stage's entry point has a keyword of the same name as its config key, its default is
+    the schema's: calling the library without Snakemake gives what the workflow would."""
+    import inspect
+
+    from eaglenest import extract_vllm, hidden, prompts, vocab
+    from eaglenest.config import defaults
+
+    # prepare_prompts: one shard and nothing held out are the library's quick call; the workflow
+    # always passes dataset.heldout and shards.
+    checks = [(prompts.prepare_prompts, defaults("dataset"), {"heldout"}),
+              (hidden.extract_hidden, defaults("hidden"), set()),
+              (extract_vllm.extract_hidden_vllm, defaults("hidden"), set()),
+              (vocab.build_vocab, {"use_truncated": defaults("hidden")["use_truncated"],
+                                   "draft_vocab_size": defaults("draft")["vocab_size"]}, set())]
+    compared = 0
+    for fn, section, exempt in checks:
+        for name, param in inspect.signature(fn).parameters.items():
+            if name in section and name not in exempt and param.default is not inspect.Parameter.empty:
+                assert param.default == section[name], f"{fn.__name__}({name}={param.default!r}) vs schema {section[name]!r}"
+                compared += 1
+    assert compared >= 8

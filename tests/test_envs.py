@@ -1,8 +1,8 @@
 """The conda environments, pyproject.toml and the CPU lock pin the same versions."""
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ from safetensors import safe_open
 
 from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port, run_snakemake, write_config
 from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, hidden_server_config
-from eaglenest.hidden import extract_hidden, save_target_head
+from eaglenest.hidden import extract_hidden
+from eaglenest.target import save_target_head
 from eaglenest.server import LocalPaths, read_pidfile, start_local, stop_local, wait_ready
 from eaglenest.vllm_connector import storage_dir
 

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from conftest import TOY_TARGET, free_port
 from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, layer_ids
-from eaglenest.hidden import DiskSpaceError, save_target_head
+from eaglenest.errors import DiskSpaceError
+from eaglenest.target import save_target_head
 from eaglenest.vllm_connector import server_args, speculative_config, storage_dir
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from eaglenest import hidden
-from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden, load_target_head, save_target_head
-from eaglenest.layers import check_aux_layers, default_aux_layers
+from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden
+from eaglenest.target import load_target_head, save_target_head
+from eaglenest.vllm_format import default_aux_layers
 
 VOCAB, HIDDEN, LAYERS = 100, 64, 4
 
@@ -51,17 +52,6 @@ def read_records(path):
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return tiny_target(tmp_path_factory.mktemp("target"))
-
-
-def test_default_aux_layers():
-    assert default_aux_layers(32) == (2, 16, 29)  # vLLM's (2, N//2, N-3)
-    assert default_aux_layers(61) == (2, 30, 58)
-    assert default_aux_layers(4) == (1, 2, 3)  # vLLM's would be (2, 2, 1): collides
-    assert check_aux_layers([3, 0, 2], 4) == (0, 2, 3)
-    with pytest.raises(ValueError, match="out of range"):
-        check_aux_layers([1, 2, 4], 4)  # id N is post-norm in transformers: refused
-    with pytest.raises(ValueError, match="distinct"):
-        check_aux_layers([1, 1, 2], 4)
 
 
 @pytest.mark.parametrize("aux_layers", [None, (0, 2, 3)])

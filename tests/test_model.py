@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest.export import tensor_shapes
 from eaglenest.model import DraftConfig, Eagle3Draft, soft_cross_entropy, ttt_loss
+from eaglenest.vllm_format import tensor_shapes
 from eaglenest.vocab import maps_from_ids
 
 V, VD, H, J = 50, 20, 32, 4
@@ -75,8 +75,9 @@ def vllm_style_drafts(model, ids, aux, t, steps):
     """What vLLM computes when it drafts after target position t: one pass over the prefix with the
     target's features (rope positions 0..t), then one token at a time, each attending to the prefix's
     keys and its own chain, at rope position t+i, fed the previous step's pre-norm output."""
-    B = ids.shape[0]
-    embed = lambda tok: F.embedding(tok, model.embed_weight)
+    def embed(tok):
+        return F.embedding(tok, model.embed_weight)
+
     pos = torch.arange(t + 1)[None]
     hidden = model.fc(aux[:, : t + 1])
     cos, sin = model.rotary_emb(hidden, pos)

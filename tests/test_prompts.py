@@ -6,8 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.prompts import (REASONS, PromptsError, RowError, extract_messages, prepare_prompts,
-                               prompt_id)
+from eaglenest.prompts import REASONS, PromptsError, RowError, extract_messages, prepare_prompts, prompt_id
 
 
 @pytest.fixture(autouse=True)
@@ -128,8 +127,9 @@ def test_hub_name_goes_to_load_dataset_with_split(tmp_path, monkeypatch):
         calls.append((path, kw))
         return datasets.Dataset.from_list([{"conversations": sharegpt("hub q")["conversations"], "x": 1}])
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    stats = prepare_prompts("mlabonne/open-perfectblend", tmp_path / "out", split="test", progress=False)
-    assert calls == [("mlabonne/open-perfectblend", {"split": "test"})]
+    stats = prepare_prompts("mlabonne/open-perfectblend", tmp_path / "out", split="test", progress=False,
+                            cache_dir=str(tmp_path / "cache"))
+    assert calls == [("mlabonne/open-perfectblend", {"split": "test", "cache_dir": str(tmp_path / "cache")})]
     assert stats["split"] == "test" and stats["train"] == 1
     shards, _, _ = read_out(tmp_path / "out")
     assert shards[0][0]["source"] == "mlabonne/open-perfectblend"
@@ -393,3 +393,21 @@ def test_heldout_taking_everything_and_bad_arguments(tmp_path):
     for kw in ({"shards": 0}, {"limit": 0}, {"heldout": -1}):
         with pytest.raises(PromptsError):
             prepare_prompts(path, tmp_path / "out", progress=False, **kw)
+
+
+def test_datasets_cache_goes_where_the_config_says_not_to_the_home_cache(tmp_path, monkeypatch):
+    """datasets keeps an Arrow copy of every dataset it loads: it lands in cache_dir (by default
+    data/.hf_cache under the working directory), never in ~/.cache/huggingface."""
+    import datasets
+    home_cache = tmp_path / "home-cache"  # stands in for ~/.cache/huggingface/datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home_cache)
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
+    prepare_prompts(str(path), tmp_path / "a", progress=False)  # the default: data/.hf_cache here
+    prepare_prompts(str(path), tmp_path / "b", progress=False, cache_dir=str(tmp_path / "mine"))
+    assert any((tmp_path / "data" / ".hf_cache").rglob("*.arrow"))
+    assert any((tmp_path / "mine").rglob("*.arrow"))
+    assert not home_cache.exists()
+    prepare_prompts(str(path), tmp_path / "c", progress=False, cache_dir=None)  # None: datasets' own default
+    assert any(home_cache.rglob("*.arrow"))  # (so the assertion above could fail)

@@ -5,13 +5,14 @@ import stat
 import subprocess
 import sys
 import time
-
-import pytest
 from pathlib import Path
 
-from eaglenest.server import (LocalPaths, ServerConfig, ServerError, busy_gpus, check_sentinel, start_local,
-                              stop_local, vllm_command, wait_ready)
+import pytest
 
+from eaglenest.errors import EaglenestError
+from eaglenest.server import (LocalPaths, ServerConfig, ServerError, busy_gpus, check_model_path, check_sentinel,
+                              launch_env, looks_like_local_path, start_local, start_server, stop_local, stop_server,
+                              vllm_command, wait_ready)
 
 TOY = Path(__file__).resolve().parent.parent / "toy" / "target"
 
@@ -84,7 +85,8 @@ def test_port_held_by_a_stranger_is_refused(tmp_path):
 
 
 def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
-    # A real vLLM launch with a model path that does not exist: vLLM exits during start-up.
+    # A real vLLM launch with a model directory that holds no model: vLLM exits during start-up.
+    (tmp_path / "no-such-model").mkdir()
     cfg = ServerConfig(model=str(tmp_path / "no-such-model"), port=_free_port(), poll_interval=1, ready_timeout=300)
     paths = LocalPaths(tmp_path / "logs")
     start_local(cfg, paths, log=lambda *_: None)
@@ -106,7 +108,8 @@ def test_watchdog_stops_server_when_workflow_dies(tmp_path):
     workflow.wait()
     assert _alive(record["pid"]), "vLLM should still be loading when the workflow dies"
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _alive(record["pid"]):
+    # The watchdog kills the server, then removes the pidfile: wait for both (a loaded machine is slow).
+    while time.monotonic() < deadline and (_alive(record["pid"]) or paths.pidfile.exists()):
         time.sleep(0.5)
     assert not _alive(record["pid"])
     assert not paths.pidfile.exists()
@@ -114,7 +117,7 @@ def test_watchdog_stops_server_when_workflow_dies(tmp_path):
 
 
 def _alive(pid):
-    from eaglenest.server import _alive as alive
+    from eaglenest.server import alive
     return alive(pid)
 
 
@@ -143,3 +146,41 @@ def test_server_starts_without_the_jobs_thread_variables(tmp_path, monkeypatch):
     assert "MKL_NUM_THREADS=8" in logged  # server.env still wins
     assert not any(line.startswith("OMP_NUM_THREADS=") for line in logged)
     stop_local(paths)
+
+
+@pytest.mark.parametrize("model", ["/no/such/model", "./no-such-model", "../no-such-model", "~/no-such-model-here",
+                                   "toy/no-such-model", "models/llama/8b"])
+def test_a_local_model_path_that_does_not_exist_fails_at_once(tmp_path, model):
+    """vLLM would first ask the hub for it and fail half a minute later; no process is started."""
+    cfg = ServerConfig(model=model, port=_free_port())
+    paths = LocalPaths(tmp_path / "logs")
+    t0 = time.monotonic()
+    with pytest.raises(EaglenestError) as e:
+        start_server(cfg, paths.log_dir, log=lambda *_: None)
+    assert time.monotonic() - t0 < 5
+    assert "server.model" in str(e.value) and model in str(e.value) and "does not exist" in str(e.value)
+    assert not paths.pidfile.exists() and not paths.log.exists()
+
+
+def test_hub_names_and_existing_paths_are_not_taken_for_missing_paths():
+    assert not looks_like_local_path("meta-llama/Llama-3.1-8B-Instruct")  # no directory named meta-llama here
+    assert not looks_like_local_path("gpt2")
+    assert looks_like_local_path("toy/target") and looks_like_local_path("/abs/x") and looks_like_local_path("~/m")
+    check_model_path(str(TOY))  # exists: no error
+    check_model_path("Qwen/Qwen3-8B")  # a hub name: vLLM's to resolve
+
+
+def test_stop_server_dispatches_on_mode_and_keep_server(tmp_path):
+    assert stop_server(ServerConfig(mode="external", urls=["http://h:1"]), tmp_path) == "left alone (external mode)"
+    assert stop_server(ServerConfig(keep_server=True), tmp_path) == "kept (server.keep_server)"
+    assert stop_server(ServerConfig(), tmp_path, log=lambda *_: None) == "not running"
+
+
+def test_every_mode_launches_vllm_with_one_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    cfg = ServerConfig(env={"NCCL_DEBUG": "INFO"})
+    local, job = launch_env(cfg, "k"), launch_env(cfg, "k", drop_prefixes=("SLURM_",))
+    for env in (local, job):
+        assert "OMP_NUM_THREADS" not in env and env["NCCL_DEBUG"] == "INFO" and env["VLLM_API_KEY"] == "k"
+    assert local["SLURM_JOB_ID"] == "7" and "SLURM_JOB_ID" not in job

@@ -4,6 +4,7 @@ These tests fail (they do not skip) when no cluster answers: start it with `ci/s
 The server tests submit a fake vLLM (a module `vllm.entrypoints.openai.api_server` put first on the
 job's PYTHONPATH: it answers /v1/models like vLLM, after a second); one test serves the real toy
 target when toy/target exists. Everything submitted is cancelled at the end."""
+import dataclasses
 import json
 import os
 import shutil
@@ -64,6 +65,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 print(f"fake vllm: serving {name} on {a.host}:{a.port}, api key set: {key is not None}", flush=True)
+print(f"fake vllm: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
 ThreadingHTTPServer((a.host, int(a.port)), Handler).serve_forever()
 '''
 
@@ -153,6 +155,23 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     assert _wait_gone(job_id) is None or job_info(job_id)["state"] == "CANCELLED"
     assert not paths.record.exists() and not sentinel.exists()
     assert not cancel_server(paths, log=lambda m: None)
+
+
+def test_start_and_stop_server_dispatch_to_slurm_with_the_one_launch_environment(tmp_path, fake_vllm, cluster,
+                                                                                 monkeypatch):
+    """The same entry points the rules use; the job gets no thread-count variable (as a local server)."""
+    from eaglenest.server import start_server, stop_server
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.chdir(tmp_path)  # the job's name comes from the working directory
+    cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
+    cfg.slurm = dataclasses.asdict(settings)
+    ready = start_server(cfg, paths.log_dir, log=lambda m: None)
+    assert ready["mode"] == "slurm" and ready["model"] == "toy"
+    log_text = Path(read_record(paths)["log"]).read_text()
+    assert "fake vllm: OMP_NUM_THREADS=None" in log_text
+    assert stop_server(cfg, paths.log_dir, log=lambda m: None) == "cancelled (SLURM job)"
+    assert not paths.record.exists()
 
 
 def test_changed_settings_replace_the_job(tmp_path, fake_vllm, cluster, monkeypatch):

@@ -2,7 +2,6 @@
 --profile profiles/slurm, the vLLM server (the real toy target) as its own SLURM job, every other
 heavy rule a SLURM job. Fails (does not skip) when no cluster answers."""
 import re
-import subprocess
 import time
 
 import pytest

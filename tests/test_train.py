@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eaglenest import train
-from eaglenest.hidden import extract_hidden, save_target_head
+from eaglenest.hidden import extract_hidden
+from eaglenest.target import save_target_head
 from eaglenest.train import epoch_batches, load_checkpoint, lr_at, resolve_config, target_distribution, train_draft
 from eaglenest.vocab import build_vocab
 from test_hidden import fake_traces, tiny_target

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from eaglenest.vocab import build_vocab, draft_to_target_ids, load_vocab, maps_from_ids, select_vocab
+from eaglenest.vllm_format import draft_to_target_ids
+from eaglenest.vocab import build_vocab, load_vocab, maps_from_ids, select_vocab
 
 
 def write_traces(path, completions, truncated=()):

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import TOY_TARGET, run_snakemake, snakemake_cmd, write_config
-from eaglenest.server import LocalPaths, _alive, read_pidfile, stop_local
+from eaglenest.server import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
 TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
@@ -140,8 +140,8 @@ def _assert_complete(wd, before_lines):
 
 def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
     wd = tmp_path / "kill"
-    cfg = write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, server={"keep_server": True},
-                       generation={"concurrency": 4})
+    write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, server={"keep_server": True},
+                 generation={"concurrency": 4})
     try:
         proc = _start(wd, "traces/shard_0.jsonl")
         partial = _wait_partial(wd, 20, proc)

@@ -1,0 +1,100 @@
+"""Which GPUs a job may use, when Snakemake runs several GPU jobs side by side on one machine.
+
+Snakemake's ``resources: gpu=N`` only counts GPUs: two ``extract_hidden`` jobs with ``gpu=1`` on a
+2-GPU node would both start on device 0. ``claim_gpus`` gives each job its own devices: one lock file
+per physical GPU, taken with ``flock`` (the kernel drops it when the holder exits, ``kill -9``
+included, so a crashed job never strands a GPU), and ``CUDA_VISIBLE_DEVICES`` set to the claimed
+indices for the job and every process it starts (torchrun, vLLM).
+
+When the devices are already assigned (``CUDA_VISIBLE_DEVICES`` set by SLURM's gres, by the user, or
+by an outer claim) the assignment is used as it is and nothing is locked. On a machine without
+``nvidia-smi`` there is nothing to claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+
+def physical_gpus() -> list[int]:
+    """Indices of this machine's NVIDIA GPUs (``nvidia-smi``), [] without one."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return []
+    return [int(line) for line in out.stdout.split() if line.strip().isdigit()]
+
+
+def lock_dir() -> Path:
+    """Machine-wide per user, so that two workflows of one user share the GPUs fairly too."""
+    default = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"eaglenest-gpu-locks-{os.getuid()}"
+    return Path(os.environ.get("EAGLENEST_GPU_LOCK_DIR") or default)
+
+
+@contextlib.contextmanager
+def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None = None, poll_s: float = 2.0,
+               timeout_s: float | None = None, log=print):
+    """Hold ``n`` GPUs of this machine for the body; yields their indices, with CUDA_VISIBLE_DEVICES set.
+
+    ``devices`` (default: ``physical_gpus()``) lists the candidates. Waits while fewer than ``n``
+    are free (another job holds them) and fails after ``timeout_s`` when given.
+    """
+    preset = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if n <= 0 or preset is not None:
+        if n > 0:
+            log(f"GPUs: using the assigned CUDA_VISIBLE_DEVICES={preset}")
+        yield [int(d) for d in (preset or "").split(",") if d.strip().isdigit()]
+        return
+    devices = physical_gpus() if devices is None else list(devices)
+    if not devices:
+        yield []
+        return
+    if n > len(devices):
+        raise RuntimeError(f"a job asks for {n} GPUs but this machine has {len(devices)} ({devices}): "
+                           f"lower hidden.gpus / train.gpus, or run it where more GPUs are")
+    locks = lock_dir() if locks is None else Path(locks)
+    locks.mkdir(parents=True, exist_ok=True, mode=0o700)
+    held: dict[int, int] = {}
+    start, said = time.monotonic(), False
+    try:
+        while True:
+            for d in devices:
+                if len(held) == n:
+                    break
+                if d in held:
+                    continue
+                fd = os.open(locks / f"gpu{d}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                held[d] = fd
+            if len(held) == n:
+                break
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {n} free GPUs of {devices} (locks in {locks}); "
+                                   f"holding {sorted(held)}: other jobs still hold the rest")
+            if not said:
+                log(f"GPUs: waiting for {n - len(held)} more of {devices} (held by other jobs, locks in {locks})")
+                said = True
+            time.sleep(poll_s)
+        ids = sorted(held)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+        log(f"GPUs: claimed {ids} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})")
+        yield ids
+    finally:
+        if held:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        for fd in held.values():
+            os.close(fd)  # closing the descriptor releases the flock

@@ -1,0 +1,121 @@
+"""The offline prediction of vLLM's acceptance: greedy chain speculation simulated with the
+transformers target and the exported draft.
+
+The draft is read back from its export the way vLLM reads it (``vllm_format``); at every position of
+each greedy sequence it proposes the chain vLLM's proposer would (``Eagle3Draft.propose``), and
+``simulate_chain`` walks the sequence with greedy verification. It is the number vLLM's counters are
+checked against; on the toy the two agree to the token count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .errors import ValidationError
+from .util import progress_bar
+from .vllm_format import acceptance, draft_config_from_json, served_aux_layers, state_dict_from_vllm
+
+
+def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device="cpu"):
+    """The exported draft as vLLM reads it (config.json keys, vLLM's defaults where absent) in an
+    ``Eagle3Draft``, with the target's embedding. Returns ``(model, config)``."""
+    from .export import load_exported
+    from .model import Eagle3Draft
+
+    config, tensors = load_exported(draft_dir)
+    cfg = draft_config_from_json(config)
+    model = Eagle3Draft(cfg)
+    missing, unexpected = model.load_state_dict(state_dict_from_vllm(tensors, cfg), strict=False)
+    if unexpected or [m for m in missing if m != "embed_weight"]:
+        raise ValidationError(f"{draft_dir}: tensors do not fit an EAGLE-3 draft (missing {missing}, unexpected {unexpected})")
+    model.to(device)
+    # Weights in the serving dtype; the rope frequencies stay float32 (vLLM builds its cos/sin cache
+    # in float32 too): a bf16 inv_freq turns far positions by a visible angle.
+    for module in (model.fc, model.midlayer, model.norm, model.lm_head):
+        module.to(dtype)
+    model.embed_weight = embed_weight.detach().to(device, dtype).clone()
+    return model.eval(), config
+
+
+def simulate_chain(proposals, tokens, start: int, k: int, end: int | None = None) -> list[int]:
+    """Accepted count of every draft when greedy speculation generates ``tokens[start:end+1]``.
+
+    ``proposals`` [T, k] as ``Eagle3Draft.propose`` makes them. ``tokens`` is the whole greedy
+    sequence (prompt + completion), optionally followed by the target's greedy continuation past the
+    last generated token ``end`` (default: the last token). A draft is made each step after the
+    target has sampled token m (from m = start) until token ``end`` is out; its j-th token is
+    accepted while it equals tokens[m+1+j]; the target then adds one token (the bonus, or its
+    correction). Like vLLM, which verifies a draft before its stop check, a draft that runs past
+    ``end`` is still compared with the continuation there (an eos accepted mid-draft, then what the
+    target would say after it); without a continuation, tokens past the end count as rejected.
+    """
+    end = len(tokens) - 1 if end is None else end
+    last = len(tokens) - 1
+    counts, m = [], start
+    while m < end:
+        chain = proposals[m - 1]
+        a = 0
+        while a < k and m + 1 + a <= last and int(chain[a]) == int(tokens[m + 1 + a]):
+            a += 1
+        counts.append(a)
+        m += a + 1
+    return counts
+
+
+def counts_from_accepted(accepted: list[int], k: int) -> dict:
+    """Counter-shaped totals (as vLLM's /metrics would count them) from per-draft accepted counts."""
+    return {
+        "drafts": len(accepted),
+        "draft_tokens": k * len(accepted),
+        "accepted": sum(accepted),
+        "accepted_per_pos": {i: sum(a > i for a in accepted) for i in range(k)},
+    }
+
+
+def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, max_tokens=256,
+                       chat_template_kwargs=None, dtype="bfloat16", device="auto", model=None, progress=True) -> dict:
+    """Predict vLLM's acceptance of the exported draft by simulating greedy chain speculation.
+
+    The greedy sequences are ``sequences`` (``(prompt_ids, completion_ids)`` pairs, e.g. the answers
+    of the target-alone vLLM run), or else generated from ``prompts`` with the transformers target.
+    The target runs once over each whole sequence for its auxiliary states (and k tokens past its
+    end, which vLLM's verifier also compares a draft with); the draft proposes its chains at every
+    position; ``simulate_chain`` counts what greedy verification accepts. ``target_agreement``: the
+    share of completion tokens that the transformers target would also choose (below 1: the
+    sequences are not this target's greedy answers, e.g. served in another dtype).
+    """
+    from .target import greedy_sequences, load_target, resolve_device, target_states
+
+    t0 = time.time()
+    device = resolve_device(device)
+    if model is None:
+        model = load_target(target, device=device, dtype=dtype)
+    embed = model.get_input_embeddings().weight
+    draft, config = load_exported_draft(draft_dir, embed, dtype=embed.dtype, device=embed.device)
+    aux_layers = served_aux_layers(config, model.config.get_text_config().num_hidden_layers)
+    source = "given"
+    if sequences is None:
+        from transformers import AutoTokenizer
+
+        source = "generated"
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        sequences = greedy_sequences(model, tokenizer, prompts, max_tokens, chat_template_kwargs)
+    accepted, agree, total = [], 0, 0
+    for prompt_ids, completion in progress_bar(sequences, desc="offline", unit="seq", disable=not progress):
+        if not completion:
+            continue
+        tokens = list(prompt_ids) + list(completion)
+        aux, greedy, tail = target_states(model, tokens, aux_layers, extra=k)
+        agree += int((greedy[len(prompt_ids) - 1 : -1] == torch.tensor(completion)).sum())
+        total += len(completion)
+        proposals = draft.propose(torch.tensor(tokens), aux, k)
+        accepted += simulate_chain(proposals, tokens + tail, len(prompt_ids), k, end=len(tokens) - 1)
+    result = acceptance(counts_from_accepted(accepted, k), k)
+    result.update({
+        "sequences": len(sequences), "completion_tokens": total, "tokens_source": source,
+        "target_agreement": agree / total if total else None, "dtype": str(embed.dtype).removeprefix("torch."),
+        "aux_layers": aux_layers, "seconds": round(time.time() - t0, 1),
+    })
+    return result

