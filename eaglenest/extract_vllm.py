@@ -45,7 +45,8 @@ from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
 from .server import ServerConfig
 from .target import load_target_head
 from .util import progress_bar, say
-from .vllm_connector import read_states, remove_states, server_args
+from .vllm_connector import read_states, remove_states
+from .vllm_format import extraction_layer_ids, extraction_server_args
 
 BACKEND = "vllm"
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
@@ -57,7 +58,7 @@ class ExtractError(EaglenestError, RuntimeError):
 
 def layer_ids(info: dict) -> list[int]:
     """The vLLM ids the extraction server records: the aux layers, then the final layer (pre-norm)."""
-    return sorted(info["aux_layers"]) + [int(info["num_hidden_layers"])]
+    return extraction_layer_ids(info["aux_layers"], info["num_hidden_layers"])
 
 
 def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> ServerConfig:
@@ -76,7 +77,7 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
         cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
-        extra_args=server_args(layer_ids(info), storage, cfg.extra_args))
+        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
 
 
 def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,

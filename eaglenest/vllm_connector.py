@@ -19,13 +19,15 @@ attributes ``_is_tp_rank_zero``, ``_kv_cache``, ``_block_size``, ``_lock_fds``, 
 ``_req_copy_events`` (``get_finished`` reports a request done once its event's ``query()`` is
 true) and ``_req_futures``.
 
+The server's command-line flags for extraction are vLLM format facts: ``vllm_format.py``
+(``extraction_server_args``) names this module's connector there.
+
 ``allow_custom_save_path`` is never enabled: with it, any API client could make the server write
 files anywhere it can. The storage directory is created mode 0700 by ``storage_dir``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -33,12 +35,6 @@ CONNECTOR = "EaglenestHiddenStatesConnector"
 MODULE = __name__  # "eaglenest.vllm_connector": what kv_connector_module_path names
 UPSTREAM = "ExampleHiddenStatesConnector"
 UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-# Engine flags the extraction server needs (chunked prefill is incompatible with the extraction
-# method; prefix caching would return fewer states than tokens), and the flags they replace.
-EXTRACT_FLAGS = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
-CONFLICTING_FLAGS = {"--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-prefix-caching",
-                     "--no-enable-prefix-caching"}
-CONFLICTING_VALUE_FLAGS = {"--speculative-config", "--kv-transfer-config", "--reasoning-parser"}
 
 
 def storage_dir(path) -> Path:
@@ -47,36 +43,6 @@ def storage_dir(path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     return path
-
-
-def speculative_config(layer_ids) -> dict:
-    """``--speculative-config`` of an extraction server recording the given vLLM layer ids."""
-    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(layer_ids)}}}
-
-
-def kv_transfer_config(storage) -> dict:
-    """``--kv-transfer-config`` naming this module's connector (upstream's on GPUs, see the class)."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-
-
-def server_args(layer_ids, storage, extra_args=()) -> list[str]:
-    """``extra_args`` without flags that contradict extraction, then the extraction flags."""
-    kept, skip = [], False
-    for arg in map(str, extra_args):
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in CONFLICTING_FLAGS:
-            continue
-        if name in CONFLICTING_VALUE_FLAGS:
-            skip = "=" not in arg
-            continue
-        kept.append(arg)
-    return kept + ["--speculative-config", json.dumps(speculative_config(layer_ids)),
-                   "--kv-transfer-config", json.dumps(kv_transfer_config(storage)), *EXTRACT_FLAGS]
 
 
 def read_states(path) -> dict:

@@ -18,7 +18,8 @@ from conftest import TOY_TARGET, free_port
 from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, layer_ids
 from eaglenest.errors import DiskSpaceError
 from eaglenest.target import save_target_head
-from eaglenest.vllm_connector import server_args, speculative_config, storage_dir
+from eaglenest.vllm_connector import storage_dir
+from eaglenest.vllm_format import extraction_server_args, extraction_speculative_config
 
 
 class StubExtractionServer:
@@ -128,10 +129,10 @@ def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypat
 def test_server_args_ask_for_aux_plus_final_layer_and_drop_contradicting_flags(head):
     info = head[1]
     assert layer_ids(info) == [1, 2, 3, 4]
-    args = server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
+    args = extraction_server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
                                                "--speculative-config", "{}", "--enable-chunked-prefill"])
     assert args[0] == "--trust-remote-code" and args.count("--speculative-config") == 1
-    assert json.loads(args[args.index("--speculative-config") + 1]) == speculative_config([1, 2, 3, 4])
+    assert json.loads(args[args.index("--speculative-config") + 1]) == extraction_speculative_config([1, 2, 3, 4])
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/x"}  # never allow_custom_save_path
     assert args[-2:] == ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
