@@ -54,7 +54,7 @@ def served(tmp_path_factory):
     cfg = write_config(wd, dataset={"limit": 300, "heldout": 24}, shards=1,
                        server={"port": _free_port(), "gpu_memory_utilization": 0.1},
                        generation={"concurrency": 64}, hidden={"dtype": dtype}, train=TRAIN)
-    run_snakemake(wd, "draft/checkpoint", timeout=600)
+    run_snakemake(wd, "draft/checkpoint", timeout=900)  # two vLLM starts: traces, then hidden states
     t_workflow = time.monotonic() - t0
     export_untrained(wd / "draft/vocab.safetensors", wd / "hidden/target_head.safetensors", wd / "untrained",
                      config={k: v for k, v in TRAIN.items()})
