@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,90 @@ def run_snakemake(workdir: Path, *args, timeout: float = 900, check: bool = True
     if check and out.returncode != 0:
         pytest.fail(f"snakemake {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
     return out
+
+
+def vllm_pids(port: int) -> list[int]:
+    """Processes of a vLLM server on `port` (an API server's command line holds `--port N`; its engine
+    processes share its process group)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any("vllm" in a for a in argv) and "--port" in argv \
+                and argv[argv.index("--port") + 1:argv.index("--port") + 2] == [str(port)]:
+            pids.append(int(proc.name))
+    return sorted(pids)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        if s.connect_ex((host, port)) == 0:
+            return False
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group `pgid` (a local server's engine processes share its group)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if proc.name.isdigit() and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(proc.name))
+    return out
+
+
+def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
+    """The server is gone: no vLLM process for `port`, none left in its process groups `pgids`, and
+    the port is free. Not the pidfile: stop_local deletes that whatever happens to the process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = vllm_pids(port) + [p for g in pgids for p in group_members(g)]
+        if not left and port_free(port):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server on port {port} is not gone: processes {left}, port free: {port_free(port)}")
+        time.sleep(0.5)
+
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, grandchildren, ...): the processes a test may signal."""
+    children = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def descendants_running(pid: int, script: str) -> list[int]:
+    """The processes below `pid` whose command line names `script` (never a stranger's process)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(script in a for a in argv):
+            found.append(child)
+    return found
