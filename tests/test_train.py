@@ -96,7 +96,6 @@ def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
 def test_state_saved_for_a_shard_whose_content_changed_is_ignored(data, tmp_path, monkeypatch):
     """Same name, same size, other numbers: the saved state belongs to other data."""
     import shutil
-    from safetensors.torch import load_file, save_file
     copy = dict(data, hidden_paths=[tmp_path / "shard_0.safetensors"])
     shutil.copy(data["hidden_paths"][0], copy["hidden_paths"][0])
     save = train._save_state
