@@ -81,6 +81,8 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         if s.connect_ex((host, port)) == 0:
             return False
     with socket.socket() as s:
+        # As a server binds: a port left in TIME_WAIT by a closed server is free for the next one.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -119,6 +121,8 @@ def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...): the processes a test may signal."""
     children = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
