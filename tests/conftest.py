@@ -76,18 +76,56 @@ def vllm_pids(port: int) -> list[int]:
     return sorted(pids)
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        if s.connect_ex((host, port)) == 0:
-            return False
-    with socket.socket() as s:
-        # As a server binds: a port left in TIME_WAIT by a closed server is free for the next one.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            s.bind((host, port))
+            rows = Path(table).read_text().splitlines()[1:]
         except OSError:
-            return False
-    return True
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    return inodes
+
+
+def listeners(port: int) -> list[int]:
+    """Processes holding a listening socket on `port` (IPv4 or IPv6)."""
+    inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
+    found = set()
+    if inodes:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    found.add(int(proc.name))
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on `port` and a connection to it is refused. Connections left in TIME_WAIT by a
+    closed server do not hold it: the next server binds it."""
+    if _listening_inodes(port):
+        return False
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) != 0
+
+
+def _started_at(pid: int) -> float:
+    """Seconds after boot the process started (inf when it is gone)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return float("inf")
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
 
 
 def group_members(pgid: int) -> list[int]:
@@ -106,13 +144,21 @@ def group_members(pgid: int) -> list[int]:
 def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
     """The server is gone: no vLLM process for `port`, none left in its process groups `pgids`, and
     the port is free. Not the pidfile: stop_local deletes that whatever happens to the process."""
+    # Call it once the server should be gone. On a shared machine another test may start a server on
+    # the same port meanwhile: a process that started after this call is not ours.
+    since = _uptime()
+
+    def ours(pids):
+        return sorted({p for p in pids if _started_at(p) <= since})
+
     deadline = time.monotonic() + timeout
     while True:
-        left = vllm_pids(port) + [p for g in pgids for p in group_members(g)]
-        if not left and port_free(port):
+        left = ours(vllm_pids(port) + [p for g in pgids for p in group_members(g)])
+        held_by = ours(listeners(port))
+        if not left and not held_by:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"the server on port {port} is not gone: processes {left}, port free: {port_free(port)}")
+            pytest.fail(f"the server on port {port} is not gone: processes {left}, port held by {held_by}")
         time.sleep(0.5)
 
 
