@@ -150,9 +150,11 @@ def _fingerprint(cfg, shards, vocab_path, head_path, world):
     facts = {
         "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states")},
         "micro_batches_per_step": cfg["grad_accum"] * world,
-        "shards": [(p.name, p.stat().st_size) for p in shards.paths],
+        # Size and modification time, as make and Snakemake judge files: rewritten shards (even of the
+        # same size) are other data. Hashing their content would read hundreds of GB at real scale.
+        "shards": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards.paths],
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
-        "head": Path(head_path).stat().st_size,
+        "head": (Path(head_path).stat().st_size, Path(head_path).stat().st_mtime_ns),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 

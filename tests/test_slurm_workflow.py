@@ -7,18 +7,21 @@ import time
 import pytest
 
 from conftest import run_snakemake, write_config
-from test_slurm import ROOT, _scontrol_job, cluster  # noqa: F401  (the fixture)
+from eaglenest.server import ServerConfig
+from eaglenest.slurm import job_name
+from test_slurm import ROOT, _scontrol_job, cluster, cluster_up  # noqa: F401  (the fixtures)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 
 def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa: F811
     wd = tmp_path / "wf"
-    write_config(wd, dataset={"limit": 24, "heldout": 4},
+    cfg = write_config(wd, dataset={"limit": 24, "heldout": 4},
                  server={"mode": "slurm", "slurm": {"cpus": 1, "mem": "3G", "gpus": 0, "time": "30:00"}},
                  train={"max_steps": 10, "batch_tokens": 2048, "save_every": 5},
                  hidden={"dtype": "float32", "max_length": 512})
-    cluster.append("eaglenest-server-")  # scancel --name matches whole names; the job is cancelled by the run
+    # The run cancels its server job itself; the fixture cancels it (by its whole name) if the test fails.
+    cluster.append(job_name(ServerConfig.from_dict(cfg["server"]), wd))
     t0 = time.monotonic()
     out = run_snakemake(wd, "draft/checkpoint", "--profile", str(ROOT / "profiles/slurm"), "--jobs", "2",
                         "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "10", timeout=1400)

@@ -93,6 +93,46 @@ def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
     assert run(data, tmp_path, {**CONFIG, "seed": 4})["resumed_from"] is None
 
 
+def test_state_saved_for_a_shard_whose_content_changed_is_ignored(data, tmp_path, monkeypatch):
+    """Same name, same size, other numbers: the saved state belongs to other data."""
+    import shutil
+    copy = dict(data, hidden_paths=[tmp_path / "shard_0.safetensors"])
+    shutil.copy(data["hidden_paths"][0], copy["hidden_paths"][0])
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy, tmp_path / "out")
+    monkeypatch.setattr(train, "_save_state", save)
+    path = copy["hidden_paths"][0]
+    size = path.stat().st_size
+    _flip_signs_in_place(path)
+    assert path.stat().st_size == size
+    assert run(copy, tmp_path / "out")["resumed_from"] is None
+
+
+def _flip_signs_in_place(path):
+    """Flip the sign of the first values of a float tensor, rewriting those bytes only (the size stays)."""
+    import json
+    import struct
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        name, width = next((k, {"F32": 4, "BF16": 2, "F16": 2}[v["dtype"]]) for k, v in header.items()
+                           if k != "__metadata__" and v["dtype"] in ("F32", "BF16", "F16"))
+        begin = 8 + n + header[name]["data_offsets"][0]
+        f.seek(begin)
+        raw = bytearray(f.read(16 * width))
+        for i in range(width - 1, len(raw), width):  # little-endian: the sign is the last byte's top bit
+            raw[i] ^= 0x80
+        f.seek(begin)
+        f.write(raw)
+
+
 def _ddp_rank(rank, world, port, data, out, config):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
