@@ -12,13 +12,15 @@ import time
 
 import pytest
 
-from conftest import run_snakemake, write_config
+from conftest import free_port, run_snakemake, write_config
 from eaglenest.server import ServerConfig
 from eaglenest.validate import measure_run, read_prompts, request_settings
 from eaglenest.vllm_format import speculative_config
-from test_acceptance import K, TRAIN, _free_port
 
 pytestmark = pytest.mark.vllm
+K = 3
+# Short but enough for the draft to learn much of the toy's arithmetic steps: about 1.5 minutes on 2 cores.
+TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 1000}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def drafts(tmp_path_factory):
     t0 = time.monotonic()
     common = dict(dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64}, train=TRAIN)
     wd_v, wd_t = tmp_path_factory.mktemp("vllm"), tmp_path_factory.mktemp("transformers")
-    cfg = write_config(wd_v, server={"port": _free_port()}, hidden={"backend": "vllm", "dtype": "float32"}, **common)
+    cfg = write_config(wd_v, server={"port": free_port()}, hidden={"backend": "vllm", "dtype": "float32"}, **common)
     run_snakemake(wd_v, "draft/checkpoint", timeout=1200)
     write_config(wd_t, server={"port": cfg["server"]["port"]}, hidden={"backend": "transformers", "dtype": "float32"},
                  **common)
