@@ -358,8 +358,10 @@ class Eagle3Draft(nn.Module):
             # densely, which the block lists above rely on not happening; the same pattern as dense masks
             masks = [F.pad(ttt_mask(T, j, device), (0, (ttt_length - 1 - j) * T)) for j in range(ttt_length)]
         kv_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.fc.weight.dtype
-        k_buf = torch.zeros(B, attn.n_kv, ttt_length * T, attn.head_dim, device=device, dtype=kv_dtype)
-        v_buf = torch.zeros_like(k_buf)
+        # requires_grad like the buffers of later steps, so step 0 matches the same compiled graph
+        grad = torch.is_grad_enabled()
+        k_buf = torch.zeros(B, attn.n_kv, ttt_length * T, attn.head_dim, device=device, dtype=kv_dtype, requires_grad=grad)
+        v_buf = torch.zeros_like(k_buf, requires_grad=grad)
         base = torch.arange(T, device=device)
         step = self._compiled_step() if self.compiled else self._flex_step
         outs = []
