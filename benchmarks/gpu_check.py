@@ -48,7 +48,7 @@ def main():
     model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
     model.to(dev).train()
     if dev == "cuda":
-        configure_compile(range(4))  # the step's graphs here: TTT 7 and 10, each with and without autocast
+        configure_compile(range(3))  # the step's graphs here: (TTT 7, fp32), (TTT 7, bf16), (TTT 10, bf16)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (B, T), generator=g).to(dev)
     aux = torch.randn(B, T, 3 * H, generator=g).to(dev)
@@ -60,9 +60,12 @@ def main():
     failures, report = [], []
     from torch._dynamo.utils import counters
 
-    for ttt in (7, 10):
+    # fp32 and bf16 at TTT 7 (the training default), bf16 at TTT 10: three graphs to compile
+    for ttt, modes in ((7, (False, True)), (10, (True,))):
         ref = run(model, REF, ids, aux, targets, ttt, autocast=False)
         for autocast, tol_loss, tol_grad in ((False, 2e-3, 3e-2), (True, 2e-2, 8e-2)):
+            if autocast not in modes:
+                continue
             got = run(model, fast, ids, aux, targets, ttt, autocast)
             r = {"ttt": ttt, "autocast_bf16": autocast, "loss_ref": round(float(ref[0]), 5), "loss": round(float(got[0]), 5),
                  "rel_loss": rel(got[0], ref[0]), "rel_stats": rel(got[1], ref[1]),
@@ -76,8 +79,8 @@ def main():
             if not ok:
                 failures.append(r)
     graphs = counters["stats"]["unique_graphs"]
-    print(json.dumps({"dynamo_unique_graphs": graphs, "expected_at_most": 4 if dev == "cuda" else 0}), flush=True)
-    if dev == "cuda" and graphs > 4:  # one TTT step graph per (TTT length, autocast mode), not one per step
+    print(json.dumps({"dynamo_unique_graphs": graphs, "expected_at_most": 3 if dev == "cuda" else 0}), flush=True)
+    if dev == "cuda" and graphs > 3:  # one TTT step graph per (TTT length, autocast mode), not one per step
         failures.append({"graphs": graphs})
     if failures:
         print("GPU CHECK FAILED: " + json.dumps(failures, default=str), flush=True)
