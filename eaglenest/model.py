@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
 
@@ -119,8 +120,10 @@ class Attention(nn.Module):
         BlockMask of the same pattern (``ttt_block_mask``). -> [B, S, H]."""
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
+        elif torch.compiler.is_compiling() or q.device.type != "cuda":  # the enclosing graph compiles it
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
         else:
-            out = _flex_attention(q.device.type)(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -174,6 +177,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)) + residual, (k, v)
 
 
+def token_embeds_ids(input_ids, ttt_length):
+    """[B, T+ttt_length-1]: the tokens whose embeddings the TTT reads (step j at base t reads the
+    token at t+1+j, i.e. column t+j); past the end, token 0, whose rows carry no loss."""
+    return F.pad(input_ids, (0, ttt_length))[:, 1:]
+
+
 def ttt_mask(T, step, device=None):
     """[T, (step+1)*T] bool: step 0's keys causally, then one diagonal block per later step."""
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -182,20 +191,10 @@ def ttt_mask(T, step, device=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _flex_attention(device_type):
-    """flex_attention as called from eager code: compiled into its fused kernel on CUDA (uncompiled
-    it runs a dense reference implementation, far slower); plain inside a compiled region, where
-    the enclosing graph compiles it, and on CPU (tests, small sizes)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device_type != "cuda":
-        return flex_attention
-    compiled = torch.compile(flex_attention, dynamic=False)
-
-    def call(*args, **kwargs):
-        return (flex_attention if torch.compiler.is_compiling() else compiled)(*args, **kwargs)
-
-    return call
+def _compiled_flex_attention():
+    """flex_attention for eager callers on CUDA: compiled into its fused kernel (uncompiled it runs a
+    dense reference implementation, far slower, and evaluates the mask_mod on every key)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 FLEX_BLOCK = 128  # flex attention's block: the flex path pads T to a multiple of it
@@ -220,7 +219,7 @@ def ttt_block_masks(T, ttt_length, device):
     buffer. ``T`` must be a multiple of FLEX_BLOCK: then no block straddles two steps and the shared
     mask_mod (``_ttt_mask_mod``) needs no step limit. Same shapes and mask_mod at every j.
     The block lists, not the mask_mod, keep later steps out: only a compiled flex kernel honours
-    them (``_flex_attention`` always compiles on CUDA; an uncompiled call would read later slots)."""
+    them (``Attention.attend`` always compiles it on CUDA; an uncompiled call would read later slots)."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     if T % FLEX_BLOCK:
@@ -306,30 +305,35 @@ class Eagle3Draft(nn.Module):
         """Target id of every draft id."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
-    def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096):
+    def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096, embeds=None):
         """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
 
         Without ``targets``: the normed output of every step, a list of ``ttt_length`` [B, T, H].
-        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``.
+        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``. ``embeds`` [B, T+ttt_length-1, H]:
+        the target's embeddings of ``token_embeds_ids(input_ids, ttt_length)``, when the caller
+        looks them up itself (train.py does, on the host, so the table stays off the GPU).
         """
+        if embeds is None:
+            if self.embed_weight.shape[0] == 0:
+                raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
+            embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
         if self.attention == "flex":
-            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length)
+            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length, embeds)
         else:
-            outs = self._ttt_dense(input_ids, aux_hidden, ttt_length)
+            outs = self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds)
         if targets is None:
             return outs
         if self.fused_loss:
             return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
 
-    def _ttt_dense(self, input_ids, aux_hidden, ttt_length):
+    def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
         B, T = input_ids.shape
-        tokens = F.pad(input_ids, (0, ttt_length))  # steps read past the end: those rows carry no loss
         hidden = self.fc(aux_hidden)
         base = torch.arange(T, device=input_ids.device)
         past, outs = [], []
         for j in range(ttt_length):
-            embeds = F.embedding(tokens[:, 1 + j : 1 + j + T], self.embed_weight).to(self.fc.weight.dtype)
+            embeds = embeds_all[:, j : j + T].to(self.fc.weight.dtype)  # the tokens at t+1+j
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             step = functools.partial(self.midlayer, past_kv=tuple(past), mask=self.step_mask(T, j, input_ids.device))
             if self.recompute and torch.is_grad_enabled():
@@ -340,7 +344,7 @@ class Eagle3Draft(nn.Module):
             outs.append(self.norm(hidden))
         return outs
 
-    def _ttt_flex(self, input_ids, aux_hidden, ttt_length):
+    def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all):
         """The same TTT as ``_ttt_dense`` at fixed shapes: the keys of all steps live in one buffer
         [B, nKV, J·T, hd] allocated up front (step j writes its slot j·T..(j+1)·T out of place) and
         flex attention's per-step block mask skips what is not written yet, so every step calls
@@ -349,7 +353,6 @@ class Eagle3Draft(nn.Module):
         the rest to eager; the price is a buffer of J·T keys (tens of MB) per step."""
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
-        tokens = F.pad(input_ids, (0, ttt_length))
         hidden = self.fc(aux_hidden)
         device = input_ids.device
         if device.type == "cuda" or self.compiled:
@@ -366,7 +369,7 @@ class Eagle3Draft(nn.Module):
         step = self._compiled_step() if self.compiled else self._flex_step
         outs = []
         for j in range(ttt_length):
-            embeds = F.embedding(tokens[:, 1 + j : 1 + j + T], self.embed_weight).to(self.fc.weight.dtype)
+            embeds = embeds_all[:, j : j + T].to(self.fc.weight.dtype)
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             hidden, normed, k_buf, v_buf = step(embeds, hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j])
             outs.append(normed)
@@ -478,10 +481,9 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
         for s in range(0, n, chunk):
             h = hidden[s : s + chunk]
-            logits = (h @ w.T).float()
-            top[s : s + chunk] = logits.argmax(-1)
-            logp = torch.log_softmax(logits, dim=-1)
-            del logits
+            logp = (h @ w.T).float()
+            top[s : s + chunk] = logp.argmax(-1)
+            logp -= logp.logsumexp(-1, keepdim=True)  # in place: one [chunk, V] fp32 buffer
             p = probs[p_index[s : s + chunk]]
             ce[s : s + chunk] = -torch.linalg.vecdot(p, logp)
             if need_h or need_w:

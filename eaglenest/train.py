@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .hidden import HiddenShards, load_target_head, resolve_device, save_safetensors, say
-from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, ttt_loss_plan
+from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
 from .vocab import load_vocab
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
@@ -239,19 +239,24 @@ def _count_steps(lengths, cfg, world):
 
 
 class BatchLoader:
-    """This rank's micro-batches, ``prefetch`` ahead, made by a background thread.
+    """This rank's micro-batches: read by a background thread ``prefetch`` ahead, in host memory.
 
     The thread walks ``micro_batch_stream`` (every rank walks the same stream and keeps its own
-    batches), reads the sequences from the memory-mapped shards into page-locked host memory, finds
-    the loss rows (and, for the fused loss, its plan) on the host, and on CUDA copies everything to
-    the device on its own stream, recording an event; ``next()`` makes the compute stream wait on
-    that event, so neither the read nor the copy nor an index computation stalls the step.
+    batches), reads the sequences from the memory-mapped shards into page-locked host memory, looks
+    up the target's embeddings of the tokens the TTT reads, and finds the loss rows (and the fused
+    loss's plan) on the host. On CUDA, ``next()`` hands out a batch whose copy to the device was
+    started one call earlier, on a copy stream, with non-blocking copies and an event the compute
+    stream waits on: neither the read, nor the copy, nor an index computation stalls the step, and
+    only two batches are on the device at once.
     """
 
-    def __init__(self, shards, lengths, cfg, *, start, count, rank, world, device, ttt_length):
-        self.shards, self.lengths, self.cfg = shards, lengths, cfg
+    def __init__(self, shards, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
+        self.shards, self.lengths, self.cfg, self.embed_table = shards, lengths, cfg, embed_table
         self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
         self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self.staged = None  # the next batch, its copy to the device under way
         self.stream = micro_batch_stream(lengths, cfg, start=start)
         self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
         self.stopping = threading.Event()
@@ -267,13 +272,16 @@ class BatchLoader:
                 continue
 
     def _host_batch(self, seq_ids):
-        on_gpu = self.device.type == "cuda"
-        batch = load_batch(self.shards, seq_ids, self.cfg, pin=on_gpu)
+        batch = load_batch(self.shards, seq_ids, self.cfg, pin=self.on_gpu)
         B, T = batch["input_ids"].shape
+        ids = token_embeds_ids(batch["input_ids"], self.ttt_length)  # [B, T+J-1]
+        H = self.embed_table.shape[1]
+        batch["embeds"] = torch.empty(*ids.shape, H, dtype=self.embed_table.dtype, pin_memory=self.on_gpu)
+        torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
         batch["rows"] = loss_rows(batch["loss_mask"])
         if self.cfg["fused_loss"]:
             batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T)
-        if on_gpu:
+        if self.on_gpu:
             batch["rows"] = batch["rows"].pin_memory()
             if "plan" in batch:
                 batch["plan"] = {k: v.pin_memory() for k, v in batch["plan"].items()}
@@ -281,7 +289,6 @@ class BatchLoader:
 
     def _run(self):
         try:
-            copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             for _ in range(self.count):
                 tokens = 0
                 for r in range(self.world):
@@ -289,34 +296,46 @@ class BatchLoader:
                     tokens += sum(self.lengths[k] for k in seq_ids)
                     if r == self.rank:
                         mine = seq_ids
-                batch, event = self._host_batch(mine), None
-                if copy_stream is not None:
-                    with torch.cuda.stream(copy_stream):
-                        batch = _tree_map(lambda t: t.to(self.device, non_blocking=True), batch)
-                        event = torch.cuda.Event()
-                        event.record(copy_stream)
-                self._put((epoch, tokens, batch, event))
+                self._put((epoch, tokens, self._host_batch(mine)))
                 if self.stopping.is_set():
                     return
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(e)
 
-    def next(self):
-        """``(epoch, tokens of all ranks' micro-batches, batch on the device)``."""
+    def _stage(self, block):
+        """Take the next host batch and start its copy to the device (CUDA); False if none is ready."""
         while True:
             try:
-                item = self.queue.get(timeout=5)
+                item = self.queue.get(timeout=5) if block else self.queue.get_nowait()
                 break
             except queue.Empty:
-                if not self.thread.is_alive():
+                if not block:
+                    return False
+                if not self.thread.is_alive() and self.queue.empty():
                     raise RuntimeError("train_draft: the batch loader thread ended without a batch") from None
         if isinstance(item, BaseException):
             raise RuntimeError(f"train_draft: reading a batch from {[str(p) for p in self.shards.paths]} failed: {item}") from item
-        epoch, tokens, batch, event = item
+        epoch, tokens, batch = item
+        event = None
+        if self.on_gpu:
+            with torch.cuda.stream(self.copy_stream):
+                batch = _tree_map(lambda t: t.to(self.device, non_blocking=True), batch)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+        self.staged = (epoch, tokens, batch, event)
+        return True
+
+    def next(self):
+        """``(epoch, tokens of all ranks' micro-batches, batch on the device)``."""
+        if self.staged is None:
+            self._stage(block=True)
+        epoch, tokens, batch, event = self.staged
+        self.staged = None
         if event is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
             _tree_map(lambda t: t.record_stream(compute), batch)  # made on the copy stream, used here
+            self._stage(block=False)  # the next batch's copy overlaps this step, when it is read already
         return epoch, tokens, batch
 
     def close(self):
@@ -340,6 +359,7 @@ def configure_compile(shapes):
 
     c = torch._dynamo.config
     needed = len(shapes) + 2  # + margin: the first call of a shape can compile twice (guards)
+    needed *= 2  # step 0 may differ in dtype from the later steps (norm_before_residual: an fp32 residual)
     c.recompile_limit = max(c.recompile_limit, needed)
     c.accumulated_recompile_limit = max(c.accumulated_recompile_limit, 4 * needed)
     c.fail_on_recompile_limit_hit = True
@@ -425,7 +445,10 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     model = Eagle3Draft(dcfg)
     model.attention, model.compiled, model.recompute, model.fused_loss = (cfg[k] for k in AUTO_KEYS)
     init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
-    model.set_target(head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32), d2t, t2d, *init)
+    # The target's embedding stays in host memory: the loader looks up each batch's rows there
+    # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
+    embed_table = head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32)
+    model.set_target(embed_table[:0], d2t, t2d, *init)
     if cfg["freeze_lm_head"]:
         model.lm_head.weight.requires_grad_(False)
     model.to(device)
@@ -471,7 +494,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         how += f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
     if rank == 0:
         say(f"train_draft: {device}, {how}")
-    loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world, device=device, ttt_length=J)
+    loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world,
+                         device=device, ttt_length=J, embed_table=embed_table)
 
     n_tokens_total = 0  # tokens trained by this invocation (not the resumed steps)
     pending = []  # steps whose metrics are still on the device: read every log_every steps
@@ -529,7 +553,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
                 sync = world == 1 or a == accum - 1
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
                     with trainable.no_sync() if not sync else contextlib.nullcontext():
-                        loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"], chunk=cfg["loss_chunk"])
+                        loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
+                                             chunk=cfg["loss_chunk"], embeds=batch["embeds"])
                         (loss / accum).backward()
                 sums += st.detach()
                 n_tok += tokens
