@@ -78,6 +78,8 @@ def main():
     p.add_argument("--ttt", type=int, default=None, help="ttt_length (default: train's default)")
     p.add_argument("--dir", default=None, help="local directory for the shards (default: a temp dir)")
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
+    p.add_argument("--config", default="{}", help="training config overrides as JSON (labelled in the output; "
+                   "the figures of issue 12 use none)")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,7 +88,8 @@ def main():
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
-    config = {"batch_tokens": a.seq, "max_steps": a.steps}
+    overrides = json.loads(a.config)
+    config = {**overrides, "batch_tokens": a.seq, "max_steps": a.steps}
     if a.ttt:
         config["ttt_length"] = a.ttt
     resolved = resolve_runtime(resolve_config(config), dev)
@@ -111,7 +114,8 @@ def main():
             tok_s = statistics.median(float(r["tokens_per_s"]) for r in after)
             ttt = resolved["ttt_length"]
             f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved["freeze_lm_head"])
-            r = dict(impl="eaglenest train_draft e2e (default config: " + ", ".join(
+            kind = f"config overrides {json.dumps(overrides)}" if overrides else "default config"
+            r = dict(impl=f"eaglenest train_draft e2e ({kind}: " + ", ".join(
                          f"{k}={resolved[k]}" for k in ("attention", "compile", "recompute", "fused_loss", "freeze_lm_head")) + ")",
                      size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),

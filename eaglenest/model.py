@@ -369,9 +369,9 @@ class Eagle3Draft(nn.Module):
         step = self._compiled_step() if self.compiled else self._flex_step
         outs = []
         for j in range(ttt_length):
-            embeds = embeds_all[:, j : j + T].to(self.fc.weight.dtype)
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
-            hidden, normed, k_buf, v_buf = step(embeds, hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j])
+            # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
+            hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j])
             outs.append(normed)
         return outs
 
@@ -381,6 +381,7 @@ class Eagle3Draft(nn.Module):
         checkpoint becomes a region the partitioner recomputes)."""
 
         def body(embeds, hidden, cos, sin, k_buf, v_buf, slot):
+            embeds = embeds.to(self.fc.weight.dtype)
             out, (k_buf, v_buf) = self.midlayer(embeds, hidden, cos, sin, (k_buf, v_buf), block_mask, slot=slot)
             return out, self.norm(out), k_buf, v_buf
 
