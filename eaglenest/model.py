@@ -503,9 +503,9 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_ce, _g_top):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * g_loss.to(grad_h.dtype) if grad_h is not None else None
-        gw = grad_w * g_loss if grad_w is not None else None
+        grad_h, grad_w = ctx.saved_tensors  # scaled in place: no second copy of d loss / d weight
+        gh = grad_h.mul_(g_loss.to(grad_h.dtype)) if grad_h is not None else None
+        gw = grad_w.mul_(g_loss) if grad_w is not None else None
         return gh, gw, None, None, None, None, None, None
 
 
