@@ -324,7 +324,7 @@ class Eagle3Draft(nn.Module):
         if targets is None:
             return outs
         if self.fused_loss:
-            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.compiled)
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
@@ -473,7 +473,7 @@ class _LinearSoftCE(torch.autograd.Function):
     none are kept for backward (only d loss / d hidden [N, H] and d loss / d weight [V, H])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, probs, p_index, row_weight, chunk, need_h, need_w):
+    def forward(ctx, hidden, weight, probs, p_index, row_weight, chunk, need_h, need_w, compiled=False):
         w = weight.to(hidden.dtype)
         n = hidden.shape[0]
         ce = torch.empty(n, device=hidden.device, dtype=torch.float32)
@@ -482,6 +482,13 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
         for s in range(0, n, chunk):
             h = hidden[s : s + chunk]
+            if compiled:  # one fused kernel set for the elementwise part; n is a multiple of chunk
+                ce[s : s + chunk], top[s : s + chunk], g = _compiled_soft_ce_grad()(h @ w.T, probs[p_index[s : s + chunk]], row_weight[s : s + chunk])
+                if need_h:
+                    grad_h[s : s + chunk] = g @ w
+                if need_w:
+                    grad_w += (g.T @ h).float()
+                continue
             logp = (h @ w.T).float()
             top[s : s + chunk] = logp.argmax(-1)
             logp -= logp.logsumexp(-1, keepdim=True)  # in place: one [chunk, V] fp32 buffer
@@ -506,10 +513,27 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors  # scaled in place: no second copy of d loss / d weight
         gh = grad_h.mul_(g_loss.to(grad_h.dtype)) if grad_h is not None else None
         gw = grad_w.mul_(g_loss) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
-def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
+def _soft_ce_grad(logits, p, row_weight):
+    """One chunk of ``_LinearSoftCE`` past its matmul: logits [n, V], target probs p [n, V] ->
+    CE [n], argmax [n], d loss / d logits [n, V] in the logits' dtype (the same math as the eager
+    in-place path, written plainly for the compiler to fuse)."""
+    x = logits.float()
+    logp = x - x.logsumexp(-1, keepdim=True)
+    ce = -(p * logp).sum(-1)
+    g = (logp.exp() * p.sum(-1, keepdim=True) - p) * row_weight[:, None]
+    return ce, x.argmax(-1), g.to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_soft_ce_grad():
+    # static shapes: ttt_loss_fused pads the rows to a multiple of the chunk, so one graph serves
+    return torch.compile(_soft_ce_grad, dynamic=False, fullgraph=True)
+
+
+def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False):
     """``ttt_loss`` computed in one pass over all steps' rows (``_LinearSoftCE``): the same loss and
     stats, no logits kept for backward, no host synchronisation when ``targets["plan"]``
     (``ttt_loss_plan``, made on the host) is given."""
@@ -527,7 +551,16 @@ def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=40
     row_weight = w * (decay_j / w_sum.clamp(min=1))[step]
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     need_w = torch.is_grad_enabled() and lm_head_weight.requires_grad
-    loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], p_index, row_weight, chunk, need_h, need_w)
+    n = len(p_index)
+    if compiled:  # rows padded to a multiple of chunk (weight 0, so no loss and no gradient);
+        chunk = min(chunk, 1024)  # small chunks: little padding, and the matmuls stay large enough
+        pad = (-n) % chunk
+        hidden = F.pad(hidden, (0, 0, 0, pad))
+        loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], F.pad(p_index, (0, pad)),
+                                            F.pad(row_weight, (0, pad)), chunk, need_h, need_w, True)
+        ce, top = ce[:n], top[:n]
+    else:
+        loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], p_index, row_weight, chunk, need_h, need_w)
     hits = (draft_ids[top] == targets["argmax"][p_index]).float()
     stats = torch.stack([per_step(ce * w), w_sum, per_step(hits), per_step(torch.ones_like(w))], dim=1)
     return loss, stats
