@@ -8,7 +8,9 @@ DEFAULT configuration; only the sizes are set: one `--seq`-token sequence per st
 (`batch_tokens = seq`), `max_steps`. Reported from its own metrics file: tokens/s as the median
 over the steps after `--warmup` (train_draft times each step with CUDA events on its compute
 stream, end of one step to the end of the next, so loading, copies and host gaps count), MFU,
-and peak memory (the most allocated in the logged windows after warm-up, and over the whole run).
+and peak memory (the most allocated in the logged windows after warm-up, and over the whole run);
+`outside_steps_s` is the run's wall time less steps x the median step (compilation, loading the
+head, writing the checkpoint).
 
 MFU counts FLOPs like ../shared/bench/bench_speculators.py's flops_per_token (bench_train.py
 holds the same formula): per token and TTT step 6x the trainable layer MACs and causal attention,
@@ -121,10 +123,9 @@ def main():
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),
                      peak_gib=round(max(float(r["peak_gib"]) for r in after), 2) if "peak_gib" in rows[0] else None,
                      run_peak_gib=round(run_peak, 2) if run_peak is not None else None,
-                     run_s=round(wall, 1), first_window_s=None, loss_first=round(float(rows[0]["loss"]), 3),
+                     run_s=round(wall, 1), outside_steps_s=round(wall - stats["steps"] * a.seq / tok_s, 1),
+                     loss_first=round(float(rows[0]["loss"]), 3),
                      loss_last=round(float(rows[-1]["loss"]), 3), **data)
-            warm = [float(x["tokens"]) / float(x["tokens_per_s"]) for x in rows if int(x["step"]) <= a.warmup]
-            r["first_window_s"] = round(sum(warm), 1)
             results.append(r)
             print(json.dumps(r), flush=True)
         finally:
