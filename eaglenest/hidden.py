@@ -493,7 +493,9 @@ def extract_hidden(
                 ids[b, : lengths[k]] = torch.from_numpy(seqs[k][0])
             with torch.inference_mode():
                 capture.states.clear()
-                last = decoder(input_ids=ids.to(first_device, non_blocking=on_gpu), use_cache=False).last_hidden_state
+                # pinned, so that the copy does not make the host wait for the previous batch's forward
+                ids = ids.pin_memory().to(first_device, non_blocking=True) if on_gpu else ids.to(first_device)
+                last = decoder(input_ids=ids, use_cache=False).last_hidden_state
                 aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
                 aux, last = to_host(aux), to_host(last.to(STORE_DTYPE))
                 done = None
