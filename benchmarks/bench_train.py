@@ -64,6 +64,42 @@ def flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=True):
     return ttt * per_step + once
 
 
+KINDS = [  # (kind, substrings of kernel names), first match wins
+    ("flex attention", ("flex", "triton_tem")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("memcpy", ("memcpy", "memset")),
+    ("reduction/elementwise (triton)", ("triton_",)),
+    ("reduction/elementwise (aten)", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "softmax", "cat")),
+]
+
+
+def profile(step, dev, steps=2):
+    """Device time of ``steps`` steps by kind of kernel (ms per step) and the 15 costliest kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total) > 0]
+    us = lambda e: e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total
+    if dev == "cuda":
+        events = [e for e in events if e.device_type.name == "CUDA"]
+    kinds = {}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, subs in KINDS if any(x in name for x in subs)), "other")
+        kinds[kind] = kinds.get(kind, 0) + us(e) / 1e3 / steps
+    top = sorted(events, key=us, reverse=True)[:15]
+    return {"ms_per_step_by_kind": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "device_ms_per_step": round(sum(kinds.values()), 2),
+            "top_kernels_ms_per_step": [(e.key[:90], round(us(e) / 1e3 / steps, 2), e.count // steps) for e in top]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["llama8b", "kimi"])
@@ -76,6 +112,7 @@ def main():
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
     p.add_argument("--freeze-lm-head", action="store_true")
+    p.add_argument("--profile", action="store_true", help="then profile 2 steps: device time by kind of kernel, top kernels")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,6 +179,8 @@ def main():
                      step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                      peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                      warmup_s=round(warm, 1))
+            if a.profile:
+                r["profile"] = profile(step, dev)
             rows.append(r)
             print(json.dumps(r), flush=True)
         del model, opt

@@ -36,10 +36,14 @@ def main(out):
         if name.startswith("e2e"):
             for r in parts[name]:
                 add(r["impl"].replace("eaglenest train_draft e2e", "eaglenest train_draft end to end"), r)
-    for r in parts.get("step", []):
+    for r in parts.get("step", []) + parts.get("step_profile", []):
         add("eaglenest step only (" + r["impl"].replace("eaglenest-step-", "") + ")", r)
     for r in parts.get("peer", []):
         add(r["impl"], r)
+    for r in parts.get("step_profile", []):
+        prof = r.get("profile") or {}
+        lines.append("")
+        lines.append(f"profile {r['size']}: device ms/step {prof.get('device_ms_per_step')} by kind {json.dumps(prof.get('ms_per_step_by_kind'))}")
     for r in parts.get("extract", []):
         lines.append("")
         lines.append(f"extraction: {r['tokens_per_s']:,} tok/s, forward ceiling (same process) {r['forward_tokens_per_s']:,} tok/s, "

@@ -188,3 +188,20 @@ def test_frozen_lm_head_stays_put(data, tmp_path):
     d2t = load_file(str(data["vocab_path"]))["d2t"]
     torch.testing.assert_close(head("a"), start[torch.arange(len(d2t)) + d2t])
     assert not torch.allclose(head("b"), head("a"))
+
+
+def test_a_failed_batch_read_stops_training_with_the_shard_named(data, tmp_path, monkeypatch):
+    """Batches are read by a background thread: its error must reach the training loop, not hang it."""
+    real = train.load_batch
+    calls = []
+
+    def failing(shards, seq_ids, *args, **kwargs):
+        calls.append(seq_ids)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return real(shards, seq_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train, "load_batch", failing)
+    with pytest.raises(RuntimeError, match=r"reading a batch from .*shard_0.safetensors.* failed: Input/output error"):
+        run(data, tmp_path, {**CONFIG, "save_every": 100})
+    assert not (tmp_path / "checkpoint.safetensors").exists()
