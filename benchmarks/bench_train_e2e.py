@@ -52,8 +52,10 @@ def make_data(root, size, seqs, seq, dev):
     torch.manual_seed(0)
     with torch.device(dev):
         torch.set_default_dtype(torch.bfloat16)
-        target = LlamaForCausalLM(cfg).eval()
-        torch.set_default_dtype(torch.float32)
+        try:
+            target = LlamaForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
     traces = root / "traces.jsonl"
     write_traces(traces, seqs, seq, V)
     t0 = time.perf_counter()
