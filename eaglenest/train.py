@@ -360,9 +360,17 @@ def configure_compile(shapes):
     c = torch._dynamo.config
     needed = len(shapes) + 2  # + margin: the first call of a shape can compile twice (guards)
     needed *= 2  # step 0 may differ in dtype from the later steps (norm_before_residual: an fp32 residual)
-    c.recompile_limit = max(c.recompile_limit, needed)
-    c.accumulated_recompile_limit = max(c.accumulated_recompile_limit, 4 * needed)
-    c.fail_on_recompile_limit_hit = True
+
+    def key(*names):  # the name this torch knows (2.6 renamed cache_size -> recompile)
+        for name in names:
+            if hasattr(c, name):
+                return name
+        raise RuntimeError(f"torch {torch.__version__}: torch._dynamo.config has none of {names}; train with compile: false")
+
+    limit, total = key("recompile_limit", "cache_size_limit"), key("accumulated_recompile_limit", "accumulated_cache_size_limit")
+    setattr(c, limit, max(getattr(c, limit), needed))
+    setattr(c, total, max(getattr(c, total), 4 * needed))
+    setattr(c, key("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)
 
 
 def run_shapes(lengths, cfg, start, count, world):
