@@ -445,7 +445,7 @@ def extract_hidden(
     # copies on a side stream (they overlap the next batch's forward), an event marks them done;
     # writer threads wait on that event, then write the rows in place (pwrite drops the GIL): each
     # batch is split over WRITERS threads by sequence; at most INFLIGHT batches are in host memory.
-    copy_stream = torch.cuda.Stream(first_device) if on_gpu else None
+    copy_streams = {}  # per device of the outputs (the last GPU of a target split over several)
     in_flight, unsynced = [], [0]
     sync_lock = threading.Lock()
 
@@ -477,6 +477,9 @@ def extract_hidden(
         if not on_gpu:
             return t.to(STORE_DTYPE).cpu()
         host = torch.empty(t.shape, dtype=STORE_DTYPE, pin_memory=True)
+        if t.device not in copy_streams:
+            copy_streams[t.device] = torch.cuda.Stream(t.device)
+        copy_stream = copy_streams[t.device]
         copy_stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(copy_stream):
             host.copy_(t, non_blocking=True)
@@ -497,11 +500,12 @@ def extract_hidden(
                 ids = ids.pin_memory().to(first_device, non_blocking=True) if on_gpu else ids.to(first_device)
                 last = decoder(input_ids=ids, use_cache=False).last_hidden_state
                 aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
+                device = last.device
                 aux, last = to_host(aux), to_host(last.to(STORE_DTYPE))
                 done = None
                 if on_gpu:
                     done = torch.cuda.Event()
-                    done.record(copy_stream)
+                    done.record(copy_streams[device])  # aux and last both come from that device
             while len(in_flight) >= INFLIGHT:
                 [f.result() for f in in_flight.pop(0)]
             shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
