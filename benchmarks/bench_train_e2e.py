@@ -8,7 +8,8 @@ DEFAULT configuration; only the sizes are set: one `--seq`-token sequence per st
 (`batch_tokens = seq`), `max_steps`. Reported from its own metrics file: tokens/s as the median
 over the steps after `--warmup` (train_draft times each step with CUDA events on its compute
 stream, end of one step to the end of the next, so loading, copies and host gaps count), MFU,
-and peak memory (the most allocated in the logged windows after warm-up, and over the whole run);
+and peak memory (the most allocated in train_draft's logged windows after warm-up, and in all of
+them: `run_peak_gib`, which includes loading and compiling);
 `outside_steps_s` is the run's wall time less steps x the median step (compilation, loading the
 head, writing the checkpoint).
 
@@ -106,13 +107,12 @@ def main():
             data = make_data(root, size, a.seqs, a.seq, dev)
             if dev == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats()  # train_draft's first logged window starts here
             t0 = time.perf_counter()
             stats = train_draft([root / "shard_0.safetensors"], root / "vocab.safetensors", root / "draft.safetensors",
                                 root / "metrics.csv", head_path=root / "target_head.safetensors", config=config,
                                 state_dir=root / "state", device=dev, progress=False)
             wall = time.perf_counter() - t0
-            run_peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
             rows = list(csv.DictReader(open(root / "metrics.csv")))
             after = [r for r in rows if int(r["step"]) > a.warmup]
             tok_s = statistics.median(float(r["tokens_per_s"]) for r in after)
@@ -124,7 +124,7 @@ def main():
                      size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),
                      peak_gib=round(max(float(r["peak_gib"]) for r in after), 2) if "peak_gib" in rows[0] else None,
-                     run_peak_gib=round(run_peak, 2) if run_peak is not None else None,
+                     run_peak_gib=round(max(float(r["peak_gib"]) for r in rows), 2) if "peak_gib" in rows[0] else None,
                      run_s=round(wall, 1), outside_steps_s=round(wall - stats["steps"] * a.seq / tok_s, 1),
                      loss_first=round(float(rows[0]["loss"]), 3),
                      loss_last=round(float(rows[-1]["loss"]), 3), **data)

@@ -161,6 +161,7 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     cuda = train.resolve_runtime(cfg, "cuda:0")
     assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, True, True)
     assert train.resolve_runtime({**cfg, "attention": "sdpa"}, "cuda")["compile"] is False
+    assert train.resolve_runtime({**cfg, "freeze_lm_head": True}, "cuda")["recompute"] is False
     with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
         train.resolve_runtime({**cfg, "compile": True}, "cpu")
     # compiled: batches padded to one shape per padded length
