@@ -18,8 +18,9 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-from eaglenest.model import DraftConfig, Eagle3Draft, ttt_loss_plan
+from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
 from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, resolve_config, resolve_runtime, target_distribution
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
@@ -143,15 +144,20 @@ def main():
         d2t = torch.zeros(DV, dtype=torch.int64)
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[:DV] = True
-        model.set_target(embed, d2t, t2d)
+        # as train_draft: the embedding table stays off the device, each batch's rows come with it
+        model.set_target(embed[:0], d2t, t2d)
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
         draft_ids = model.draft_ids()
         t2d_dev = t2d.to(dev)
+        inputs = []
         for ttt in a.ttt:
             aux = torch.randn(1, T, 3 * H, device=dev, dtype=torch.bfloat16, generator=g)
             last = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16, generator=g)
             ids = torch.randint(0, V, (1, T), device=dev, generator=g)
+            inputs.append((ttt, aux, last, ids, F.embedding(token_embeds_ids(ids, ttt), embed)))
+        del embed
+        for ttt, aux, last, ids, embeds in inputs:
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
             rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
             extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T).items()}} if run["fused_loss"] else {}
@@ -160,7 +166,7 @@ def main():
             def step():
                 targets = {**target_distribution(last, mask, lm_head, draft_ids, t2d_dev, rows=rows_dev), **extra}
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                    loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk)
+                    loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk, embeds=embeds)
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
