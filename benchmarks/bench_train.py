@@ -167,7 +167,7 @@ def main():
                 targets = {**target_distribution(last, mask, lm_head, draft_ids, t2d_dev, rows=rows_dev), **extra}
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk, embeds=embeds)
-                    loss.backward()
+                loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -32,7 +32,7 @@ def run(model, variant, ids, aux, targets, ttt, autocast):
     dev = ids.device.type
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
         loss, stats = model(ids, aux, targets, ttt_length=ttt, chunk=300)
-        loss.backward()
+    loss.backward()  # as train_draft does, outside autocast
     return loss.detach().float(), stats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

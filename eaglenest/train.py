@@ -565,11 +565,12 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
                     targets["plan"] = batch["plan"]
                 aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].float()
                 sync = world == 1 or a == accum - 1
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                    with trainable.no_sync() if not sync else contextlib.nullcontext():
+                with trainable.no_sync() if not sync else contextlib.nullcontext():
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
                         loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
                                              chunk=cfg["loss_chunk"], embeds=batch["embeds"])
-                        (loss / accum).backward()
+                    # backward outside autocast: its cache of bf16 weight copies is gone by then
+                    (loss / accum).backward()
                 sums += st.detach()
                 n_tok += tokens
             if world > 1:
