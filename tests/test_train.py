@@ -206,3 +206,19 @@ def test_a_failed_batch_read_stops_training_with_the_shard_named(data, tmp_path,
     with pytest.raises(RuntimeError, match=r"reading a batch from .*shard_0.safetensors.* failed: Input/output error"):
         run(data, tmp_path, {**CONFIG, "save_every": 100})
     assert not (tmp_path / "checkpoint.safetensors").exists()
+
+
+def test_compiled_batches_come_in_one_shape_per_padded_length():
+    """Compiled, every micro-batch of a run is padded to [batch_tokens // T, T] with T a multiple of
+    128, so the run compiles one graph per padded length, and never has more sequences than rows."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 2048) for _ in range(3000)]
+    cfg = train.resolve_runtime(resolve_config({"batch_tokens": 8192}), "cuda")
+    shapes = train.run_shapes(lengths, cfg, 0, 400, 1)
+    assert all(T % 128 == 0 and B == 8192 // T for B, T in shapes)
+    assert len(shapes) == len({T for _, T in shapes}) <= 2048 // 128
+    for batch in train.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
+        B, T = train.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
+        assert len(batch) <= B and B * T <= 8192
