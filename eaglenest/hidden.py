@@ -26,6 +26,7 @@ What training needs of the target's head is saved once, beside the shards, by
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,9 @@ from .util import progress_bar, say
 FORMAT = "eaglenest.hidden/1"
 STORE_DTYPE = torch.bfloat16
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
+WRITERS = 4  # threads writing the rows of a shard in parallel
+INFLIGHT = 3  # batches between the GPU and the disk at once (each in page-locked host memory on CUDA)
+SYNC_BYTES = 1 << 28  # written bytes between two fdatasync calls of the shard during extraction
 
 
 # ----------------------------------------------------------------------------- trace records
@@ -167,6 +171,8 @@ class ShardWriter:
         text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
         self.data_start = 8 + len(text)
         self.size = self.data_start + pos
+        n_rows = max(1, specs[next(iter(specs))][1][0])
+        self.bytes_per_token = pos / n_rows
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         head = len(text).to_bytes(8, "little") + text
         self.resumed = False
@@ -264,18 +270,53 @@ def extract_hidden(
     n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
     bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
 
-    def write_batch(batch, aux, last):
-        for b, k in enumerate(batch):
+    on_gpu = first_device.type == "cuda"
+    # Device -> host: on CUDA each batch's states go into page-locked host buffers by non-blocking
+    # copies on a side stream (they overlap the next batch's forward), an event marks them done;
+    # writer threads wait on that event, then write the rows in place (pwrite drops the GIL): each
+    # batch is split over WRITERS threads by sequence; at most INFLIGHT batches are in host memory.
+    copy_streams = {}  # per device of the outputs (the last GPU of a target split over several)
+    in_flight, unsynced = [], [0]
+    sync_lock = threading.Lock()
+
+    def write_rows(batch, positions, aux, last, done):
+        """Write the sequences at ``positions`` of ``batch`` (one writer's share of a batch)."""
+        if done is not None:
+            done.synchronize()  # the batch's device -> host copies have landed
+        n_tok = 0
+        for b in positions:
+            k = batch[b]
             _, ids_k, n_prompt = seqs[k]
             row, n = int(offsets[k]), lengths[k]
             writer.write_rows("aux_hidden", row, aux[b, :n])
             writer.write_rows("last_hidden", row, last[b, :n])
             writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
             writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
-        bar.update(sum(lengths[k] for k in batch))
+            n_tok += n
+        bar.update(n_tok)
+        # flush written pages to disk while the target runs, so the final fsync has little left
+        with sync_lock:
+            unsynced[0] += n_tok * writer.bytes_per_token
+            flush = unsynced[0] >= SYNC_BYTES
+            if flush:
+                unsynced[0] = 0
+        if flush:
+            os.fdatasync(writer.fd)
 
-    # One writer thread: batch k goes to disk while the target runs batch k+1 (pwrite drops the GIL).
-    pool, pending = ThreadPoolExecutor(1), None
+    def to_host(t):
+        if not on_gpu:
+            return t.to(STORE_DTYPE).cpu()
+        host = torch.empty(t.shape, dtype=STORE_DTYPE, pin_memory=True)
+        if t.device not in copy_streams:
+            copy_streams[t.device] = torch.cuda.Stream(t.device)
+        copy_stream = copy_streams[t.device]
+        copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(copy_stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(copy_stream)  # not reused by the next forward before the copy is done
+        return host
+
+    pool = ThreadPoolExecutor(WRITERS)
     try:
         writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
         for batch in _length_batches(lengths, batch_tokens):
@@ -285,18 +326,26 @@ def extract_hidden(
                 ids[b, : lengths[k]] = torch.from_numpy(seqs[k][1])
             with torch.inference_mode():
                 capture.states.clear()
-                last = decoder(input_ids=ids.to(first_device), use_cache=False).last_hidden_state
-                aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1)
-                aux, last = aux.to(STORE_DTYPE).cpu(), last.to(STORE_DTYPE).cpu()
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(write_batch, batch, aux, last)
-        if pending is not None:
-            pending.result()
+                # pinned, so that the copy does not make the host wait for the previous batch's forward
+                ids = ids.pin_memory().to(first_device, non_blocking=True) if on_gpu else ids.to(first_device)
+                last = decoder(input_ids=ids, use_cache=False).last_hidden_state
+                aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
+                device = last.device
+                aux, last = to_host(aux), to_host(last.to(STORE_DTYPE))
+                done = None
+                if on_gpu:
+                    done = torch.cuda.Event()
+                    done.record(copy_streams[device])  # aux and last both come from that device
+            while len(in_flight) >= INFLIGHT:
+                [f.result() for f in in_flight.pop(0)]
+            shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
+            in_flight.append([pool.submit(write_rows, batch, share, aux, last, done) for share in shares])
+        while in_flight:
+            [f.result() for f in in_flight.pop(0)]
         bar.close()
         writer.finish()
     except BaseException:
-        pool.shutdown()  # a write in flight ends before its file descriptor is closed
+        pool.shutdown()  # writes in flight end before the file descriptor is closed
         writer.abort()
         raise
     finally:
