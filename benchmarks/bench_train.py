@@ -1,12 +1,15 @@
-"""Draft training-step throughput at real sizes, with synthetic hidden states.
+"""Draft training-step throughput at real sizes, with synthetic hidden states already on the GPU.
 
-One optimizer step of eaglenest's EAGLE-3 draft exactly as `eaglenest.train` runs it (target
-distribution once per batch, training-time test, soft cross-entropy in chunks, backward, clip,
-AdamW), on one packed sequence. Prints tokens/s, peak memory and model FLOP utilisation against
-the bf16 matrix rate measured in the same process. FLOPs are counted like
-../shared/bench/bench_speculators.py (attention at the causal average), with our lm_head trained.
+One optimizer step of eaglenest's EAGLE-3 draft as `eaglenest.train` runs it (target distribution
+once per batch, training-time test, loss, backward, clip, AdamW), on one packed sequence, with the
+step path train_draft's config picks on this device by default (on CUDA: flex attention, compiled
+step, recomputation, fused loss; see train.resolve_runtime), or the one the flags ask for.
+bench_train_e2e.py measures train_draft itself, from shards on disk. Prints tokens/s, peak memory
+and model FLOP utilisation against the bf16 matrix rate measured in the same process. FLOPs are
+counted like ../shared/bench/bench_speculators.py (attention at the causal average), with our
+lm_head trained unless frozen (recomputation not counted).
 
-    python benchmarks/bench_train.py --sizes llama8b kimi --ttt 7 3 [--compile] [--small]
+    python benchmarks/bench_train.py --sizes llama8b kimi --ttt 7 3 [--attention sdpa --compile false] [--small]
 """
 
 import argparse
@@ -15,9 +18,10 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-from eaglenest.model import DraftConfig, Eagle3Draft
-from eaglenest.train import target_distribution
+from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
+from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, resolve_config, resolve_runtime, target_distribution
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
     "llama8b": (4096, 14336, 32, 8, 128256),
@@ -61,25 +65,40 @@ def flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=True):
     return ttt * per_step + once
 
 
-def check_flex(dev):
-    """The flex path computes what the dense-mask path does: outputs and gradients, all TTT steps."""
-    cfg = DraftConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, vocab_size=512, draft_vocab_size=256, target_hidden_size=256)
-    torch.manual_seed(0)
-    model = Eagle3Draft(cfg).to(dev)
-    model.set_target(torch.randn(512, 256) * 0.02, torch.zeros(256, dtype=torch.int64), torch.arange(512) < 256)
-    ids = torch.randint(0, 512, (2, 200), device=dev)
-    aux = torch.randn(2, 200, 768, device=dev)
-    res = {}
-    for impl in ("sdpa", "flex"):
-        model.attention = impl
-        model.zero_grad()
-        outs = model(ids, aux, ttt_length=4)
-        sum((o.float() ** 2).mean() for o in outs).backward()
-        res[impl] = (torch.stack(outs).detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
-    d_out = (res["sdpa"][0] - res["flex"][0]).abs().max().item()
-    d_grad = max((a - b).abs().max().item() / (a.abs().max().item() + 1e-12) for a, b in zip(res["sdpa"][1], res["flex"][1]))
-    print(json.dumps({"check": "flex vs sdpa", "max_abs_out": d_out, "max_rel_grad": d_grad}), flush=True)
+KINDS = [  # (kind, substrings of kernel names), first match wins
+    ("flex attention", ("flex", "triton_tem")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "mm_")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("memcpy", ("memcpy", "memset")),
+    ("reduction/elementwise (triton)", ("triton_",)),
+    ("reduction/elementwise (aten)", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "softmax", "cat")),
+]
+
+
+def profile(step, dev, steps=2):
+    """Device time of ``steps`` steps by kind of kernel (ms per step) and the 15 costliest kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total) > 0]
+    us = lambda e: e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total
+    if dev == "cuda":
+        events = [e for e in events if e.device_type.name == "CUDA"]
+    kinds = {}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, subs in KINDS if any(x in name for x in subs)), "other")
+        kinds[kind] = kinds.get(kind, 0) + us(e) / 1e3 / steps
+    top = sorted(events, key=us, reverse=True)[:15]
+    return {"ms_per_step_by_kind": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "device_ms_per_step": round(sum(kinds.values()), 2),
+            "top_kernels_ms_per_step": [(e.key[:90], round(us(e) / 1e3 / steps, 2), e.count // steps) for e in top]}
 
 
 def main():
@@ -89,17 +108,23 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4096, help="rows of draft logits alive at once in the loss")
-    p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder layer")
-    p.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa")
-    p.add_argument("--check", action="store_true", help="first compare flex against sdpa (outputs, grads)")
+    choice = lambda x: x if x == "auto" else {"true": True, "false": False}[x]
+    for key in ("compile", "recompute", "fused-loss"):
+        p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
+    p.add_argument("--freeze-lm-head", action="store_true")
+    p.add_argument("--profile", action="store_true", help="then profile 2 steps: device time by kind of kernel, top kernels")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    run = resolve_runtime(resolve_config({"attention": a.attention, "compile": a.compile, "recompute": a.recompute,
+                                          "fused_loss": a.fused_loss, "freeze_lm_head": a.freeze_lm_head}), dev)
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
-    if a.check:
-        check_flex(dev)
+    label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "freeze_lm_head"))
+    if run["compile"]:
+        configure_compile(range(len(a.ttt) * len(a.sizes)))
     rows = []
     for size in ["tiny"] if a.small else a.sizes:
         H, I, nh, nkv, V = SIZES[size]
@@ -110,31 +135,39 @@ def main():
                           rms_norm_eps=1e-5, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
         model = Eagle3Draft(cfg).to(dev)
-        model.attention = a.attention
+        model.attention, model.compiled, model.recompute, model.fused_loss = (run[k] for k in AUTO_KEYS)
+        if run["freeze_lm_head"]:
+            model.lm_head.weight.requires_grad_(False)
         g = torch.Generator(device=dev).manual_seed(0)
         embed = torch.randn(V, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         lm_head = torch.randn(V, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         d2t = torch.zeros(DV, dtype=torch.int64)
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[:DV] = True
-        model.set_target(embed, d2t, t2d)
-        if a.compile:
-            model.midlayer = torch.compile(model.midlayer)
+        # as train_draft: the embedding table stays off the device, each batch's rows come with it
+        model.set_target(embed[:0], d2t, t2d)
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
         draft_ids = model.draft_ids()
         t2d_dev = t2d.to(dev)
+        inputs = []
         for ttt in a.ttt:
             aux = torch.randn(1, T, 3 * H, device=dev, dtype=torch.bfloat16, generator=g)
             last = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16, generator=g)
             ids = torch.randint(0, V, (1, T), device=dev, generator=g)
+            inputs.append((ttt, aux, last, ids, F.embedding(token_embeds_ids(ids, ttt), embed)))
+        del embed
+        for ttt, aux, last, ids, embeds in inputs:
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
+            rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
+            extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T).items()}} if run["fused_loss"] else {}
+            rows_dev = rows_host.to(dev)
 
             def step():
-                targets = target_distribution(last, mask, lm_head, draft_ids, t2d_dev)
+                targets = {**target_distribution(last, mask, lm_head, draft_ids, t2d_dev, rows=rows_dev), **extra}
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                    loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk)
-                    loss.backward()
+                    loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk, embeds=embeds)
+                loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -147,11 +180,13 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             warm = time.perf_counter() - t0
             s = timed(step, a.iters, dev)
-            f = flops_per_token(H, I, nh, nkv, DV, T, ttt)
-            r = dict(impl="eaglenest-" + a.attention + ("-compiled" if a.compile else ""), size=size, seq=T, ttt=ttt,
+            f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
+            r = dict(impl=label, size=size, seq=T, ttt=ttt,
                      step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                      peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                      warmup_s=round(warm, 1))
+            if a.profile:
+                r["profile"] = profile(step, dev)
             rows.append(r)
             print(json.dumps(r), flush=True)
         del model, opt

@@ -43,3 +43,7 @@ class DiskSpaceError(EaglenestError, OSError):
 
 class ValidationError(EaglenestError, RuntimeError):
     """A validation step failed in a way the user can act on; the message says what and where."""
+
+
+class GpuError(EaglenestError, RuntimeError):
+    """A job asks for more GPUs than the machine has, or waited too long for free ones."""

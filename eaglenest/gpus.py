@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .errors import GpuError
+
 
 def physical_gpus() -> list[int]:
     """Indices of this machine's NVIDIA GPUs (``nvidia-smi``), [] without one."""
@@ -58,7 +60,7 @@ def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None =
         yield []
         return
     if n > len(devices):
-        raise RuntimeError(f"a job asks for {n} GPUs but this machine has {len(devices)} ({devices}): "
+        raise GpuError(f"a job asks for {n} GPUs but this machine has {len(devices)} ({devices}): "
                            f"lower hidden.gpus / train.gpus, or run it where more GPUs are")
     locks = lock_dir() if locks is None else Path(locks)
     locks.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -83,7 +85,7 @@ def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None =
             if len(held) == n:
                 break
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for {n} free GPUs of {devices} (locks in {locks}); "
+                raise GpuError(f"waited {timeout_s:.0f} s for {n} free GPUs of {devices} (locks in {locks}); "
                                    f"holding {sorted(held)}: other jobs still hold the rest")
             if not said:
                 log(f"GPUs: waiting for {n - len(held)} more of {devices} (held by other jobs, locks in {locks})")
@@ -98,3 +100,14 @@ def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None =
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         for fd in held.values():
             os.close(fd)  # closing the descriptor releases the flock
+
+
+def hold_gpus(n: int, log=print) -> list[int]:
+    """``claim_gpus`` for the rest of this process (a rule script): the locks go when it exits."""
+    claim = claim_gpus(n, log=log)
+    ids = claim.__enter__()
+    _held.append(claim)  # keeps the descriptors, so the locks, alive
+    return ids
+
+
+_held: list = []

@@ -26,6 +26,7 @@ What training needs of the target's head is saved once, beside the shards, by
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,13 +41,17 @@ from .util import progress_bar, say
 FORMAT = "eaglenest.hidden/1"
 STORE_DTYPE = torch.bfloat16
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
+WRITERS = 4  # threads writing the rows of a shard in parallel
+INFLIGHT = 3  # batches between the GPU and the disk at once (each in page-locked host memory on CUDA)
+SYNC_BYTES = 1 << 28  # written bytes between two fdatasync calls of the shard during extraction
 
 
 # ----------------------------------------------------------------------------- trace records
 
 
-def iter_trace_tokens(trace_paths, use_truncated=True, counts=None):
-    """Yield ``(prompt_token_ids, completion_token_ids)`` of each usable trace record.
+def iter_trace_tokens(trace_paths, use_truncated=True, counts=None, with_ids=False):
+    """Yield ``(prompt_token_ids, completion_token_ids)`` of each usable trace record (with
+    ``with_ids``: ``(id, prompt_token_ids, completion_token_ids)``).
 
     ``counts`` (a dict, optional) is updated with ``records``, ``skipped_truncated`` and
     ``skipped_empty`` so callers can report what was left out.
@@ -74,7 +79,53 @@ def iter_trace_tokens(trace_paths, use_truncated=True, counts=None):
                 if not completion:
                     counts["skipped_empty"] += 1
                     continue
-                yield prompt, completion
+                yield (rec.get("id", f"{path}:{lineno}"), prompt, completion) if with_ids else (prompt, completion)
+
+
+def shard_sequences(trace_paths, max_length, use_truncated=True):
+    """The sequences of one shard, in trace order: ``(seqs, counts)`` with ``seqs`` a list of
+    ``(trace id, ids int64 [n], prompt length)``, cut at ``max_length``; ``counts`` as in
+    ``iter_trace_tokens`` plus ``cut_at_max_length``. Every backend packs exactly these."""
+    counts = {"cut_at_max_length": 0}
+    seqs = []
+    for rid, prompt, completion in iter_trace_tokens(trace_paths, use_truncated, counts, with_ids=True):
+        ids = np.asarray(list(prompt) + list(completion), dtype=np.int64)
+        if len(ids) > max_length:
+            counts["cut_at_max_length"] += 1
+            ids = ids[:max_length]
+        if len(ids) <= len(prompt):  # the cut left no completion token
+            counts["skipped_empty"] += 1
+            continue
+        seqs.append((rid, ids, len(prompt)))
+    if not seqs:
+        raise ValueError(f"no usable trace records in {[str(p) for p in trace_paths]} ({counts})")
+    return seqs, counts
+
+
+def shard_layout(seqs, *, aux_layers, hidden_size, target, max_length, **extra_metadata):
+    """``(specs, metadata, offsets)`` of the shard holding ``seqs`` (see the module doc)."""
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for _, ids, _ in seqs], out=offsets[1:])
+    n_tokens = int(offsets[-1])
+    specs = {
+        "aux_hidden": (STORE_DTYPE, (n_tokens, len(aux_layers) * hidden_size)),
+        "last_hidden": (STORE_DTYPE, (n_tokens, hidden_size)),
+        "input_ids": (torch.int64, (n_tokens,)),
+        "seq_offsets": (torch.int64, (len(seqs) + 1,)),
+        "loss_mask": (torch.bool, (n_tokens,)),
+    }
+    metadata = {
+        "format": FORMAT,
+        "target": str(target),
+        "aux_layers": json.dumps(list(aux_layers)),
+        "hidden_size": hidden_size,
+        "last_hidden": "post_norm",
+        "num_seqs": len(seqs),
+        "num_tokens": n_tokens,
+        "max_length": max_length,
+        **extra_metadata,
+    }
+    return specs, metadata, offsets
 
 
 # ----------------------------------------------------------------------------- shard writing
@@ -99,11 +150,13 @@ def check_free_disk(path, needed) -> int:
     return free
 
 
-class _ShardWriter:
+class ShardWriter:
     """A safetensors file whose header is written first and whose tensor rows are written in place."""
 
-    def __init__(self, path, specs, metadata):
-        # specs: name -> (torch dtype, shape); the file is laid out in the order given
+    def __init__(self, path, specs, metadata, resume=False):
+        # specs: name -> (torch dtype, shape); the file is laid out in the order given.
+        # resume: reopen a `.partial` left by a killed run when its header is this one (same layout
+        # and metadata), keeping the rows already written; ``self.resumed`` says whether it did.
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         header, self.offsets, self.row_bytes, pos = {}, {}, {}, 0
@@ -118,10 +171,18 @@ class _ShardWriter:
         text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
         self.data_start = 8 + len(text)
         self.size = self.data_start + pos
+        n_rows = max(1, specs[next(iter(specs))][1][0])
+        self.bytes_per_token = pos / n_rows
         self.partial.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self.fd, len(text).to_bytes(8, "little") + text, 0)
-        os.ftruncate(self.fd, self.size)
+        head = len(text).to_bytes(8, "little") + text
+        self.resumed = False
+        if resume and self.partial.is_file() and self.partial.stat().st_size == self.size:
+            with open(self.partial, "rb") as f:
+                self.resumed = f.read(len(head)) == head
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | (0 if self.resumed else os.O_TRUNC), 0o644)
+        if not self.resumed:
+            os.pwrite(self.fd, head, 0)
+            os.ftruncate(self.fd, self.size)
 
     def write_rows(self, name, row, tensor):
         """Write ``tensor`` (CPU, contiguous) as rows ``row:row+len(tensor)`` of tensor ``name``."""
@@ -189,22 +250,11 @@ def extract_hidden(
     aux_layers, hidden_size = info["aux_layers"], info["hidden_size"]
 
     # Pass 1: token ids only (4 bytes a token, far below the shard's 8*H), so the layout is known.
-    counts = {}
-    seqs, n_cut = [], 0
-    for prompt, completion in iter_trace_tokens(trace_paths, use_truncated, counts):
-        ids = np.asarray(list(prompt) + list(completion), dtype=np.int64)
-        if len(ids) > max_length:
-            n_cut += 1
-            ids = ids[:max_length]
-        if len(ids) <= len(prompt):  # the cut left no completion token
-            counts["skipped_empty"] += 1
-            continue
-        seqs.append((ids, len(prompt)))
-    if not seqs:
-        raise ValueError(f"no usable trace records in {[str(p) for p in trace_paths]} ({counts})")
-    lengths = [len(ids) for ids, _ in seqs]
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
+    n_cut = counts.pop("cut_at_max_length")
+    specs, metadata, offsets = shard_layout(seqs, aux_layers=aux_layers, hidden_size=hidden_size, target=target,
+                                            max_length=max_length)
+    lengths = [len(ids) for _, ids, _ in seqs]
     n_tokens = int(offsets[-1])
     needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
     say(f"extract_hidden: {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, about {needed / 2**30:.3f} GiB on disk")
@@ -215,61 +265,87 @@ def extract_hidden(
     decoder = decoder_of(model)
     first_device = model.get_input_embeddings().weight.device
 
-    specs = {
-        "aux_hidden": (STORE_DTYPE, (n_tokens, len(aux_layers) * hidden_size)),
-        "last_hidden": (STORE_DTYPE, (n_tokens, hidden_size)),
-        "input_ids": (torch.int64, (n_tokens,)),
-        "seq_offsets": (torch.int64, (len(seqs) + 1,)),
-        "loss_mask": (torch.bool, (n_tokens,)),
-    }
-    metadata = {
-        "format": FORMAT,
-        "target": str(target),
-        "aux_layers": json.dumps(aux_layers),
-        "hidden_size": hidden_size,
-        "last_hidden": "post_norm",
-        "num_seqs": len(seqs),
-        "num_tokens": n_tokens,
-        "max_length": max_length,
-    }
-    writer = _ShardWriter(out_path, specs, metadata)
+    writer = ShardWriter(out_path, specs, metadata)
     capture = AuxCapture(decoder, aux_layers)
-    n_loss = sum(len(ids) - n_prompt for ids, n_prompt in seqs)
+    n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
     bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
 
-    def write_batch(batch, aux, last):
-        for b, k in enumerate(batch):
-            ids_k, n_prompt = seqs[k]
+    on_gpu = first_device.type == "cuda"
+    # Device -> host: on CUDA each batch's states go into page-locked host buffers by non-blocking
+    # copies on a side stream (they overlap the next batch's forward), an event marks them done;
+    # writer threads wait on that event, then write the rows in place (pwrite drops the GIL): each
+    # batch is split over WRITERS threads by sequence; at most INFLIGHT batches are in host memory.
+    copy_streams = {}  # per device of the outputs (the last GPU of a target split over several)
+    in_flight, unsynced = [], [0]
+    sync_lock = threading.Lock()
+
+    def write_rows(batch, positions, aux, last, done):
+        """Write the sequences at ``positions`` of ``batch`` (one writer's share of a batch)."""
+        if done is not None:
+            done.synchronize()  # the batch's device -> host copies have landed
+        n_tok = 0
+        for b in positions:
+            k = batch[b]
+            _, ids_k, n_prompt = seqs[k]
             row, n = int(offsets[k]), lengths[k]
             writer.write_rows("aux_hidden", row, aux[b, :n])
             writer.write_rows("last_hidden", row, last[b, :n])
             writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
             writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
-        bar.update(sum(lengths[k] for k in batch))
+            n_tok += n
+        bar.update(n_tok)
+        # flush written pages to disk while the target runs, so the final fsync has little left
+        with sync_lock:
+            unsynced[0] += n_tok * writer.bytes_per_token
+            flush = unsynced[0] >= SYNC_BYTES
+            if flush:
+                unsynced[0] = 0
+        if flush:
+            os.fdatasync(writer.fd)
 
-    # One writer thread: batch k goes to disk while the target runs batch k+1 (pwrite drops the GIL).
-    pool, pending = ThreadPoolExecutor(1), None
+    def to_host(t):
+        if not on_gpu:
+            return t.to(STORE_DTYPE).cpu()
+        host = torch.empty(t.shape, dtype=STORE_DTYPE, pin_memory=True)
+        if t.device not in copy_streams:
+            copy_streams[t.device] = torch.cuda.Stream(t.device)
+        copy_stream = copy_streams[t.device]
+        copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(copy_stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(copy_stream)  # not reused by the next forward before the copy is done
+        return host
+
+    pool = ThreadPoolExecutor(WRITERS)
     try:
         writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
         for batch in _length_batches(lengths, batch_tokens):
             longest = lengths[batch[0]]
             ids = torch.zeros(len(batch), longest, dtype=torch.int64)  # right padding: causal attention
             for b, k in enumerate(batch):  # keeps real positions blind to the pads, so no mask needed
-                ids[b, : lengths[k]] = torch.from_numpy(seqs[k][0])
+                ids[b, : lengths[k]] = torch.from_numpy(seqs[k][1])
             with torch.inference_mode():
                 capture.states.clear()
-                last = decoder(input_ids=ids.to(first_device), use_cache=False).last_hidden_state
-                aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1)
-                aux, last = aux.to(STORE_DTYPE).cpu(), last.to(STORE_DTYPE).cpu()
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(write_batch, batch, aux, last)
-        if pending is not None:
-            pending.result()
+                # pinned, so that the copy does not make the host wait for the previous batch's forward
+                ids = ids.pin_memory().to(first_device, non_blocking=True) if on_gpu else ids.to(first_device)
+                last = decoder(input_ids=ids, use_cache=False).last_hidden_state
+                aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
+                device = last.device
+                aux, last = to_host(aux), to_host(last.to(STORE_DTYPE))
+                done = None
+                if on_gpu:
+                    done = torch.cuda.Event()
+                    done.record(copy_streams[device])  # aux and last both come from that device
+            while len(in_flight) >= INFLIGHT:
+                [f.result() for f in in_flight.pop(0)]
+            shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
+            in_flight.append([pool.submit(write_rows, batch, share, aux, last, done) for share in shares])
+        while in_flight:
+            [f.result() for f in in_flight.pop(0)]
         bar.close()
         writer.finish()
     except BaseException:
-        pool.shutdown()  # a write in flight ends before its file descriptor is closed
+        pool.shutdown()  # writes in flight end before the file descriptor is closed
         writer.abort()
         raise
     finally:

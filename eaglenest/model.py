@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from .vllm_format import draft_to_target_ids
 
@@ -120,8 +122,10 @@ class Attention(nn.Module):
         BlockMask of the same pattern (``ttt_block_mask``). -> [B, S, H]."""
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
+        elif torch.compiler.is_compiling() or q.device.type != "cuda":  # the enclosing graph compiles it
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
         else:
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -147,9 +151,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, past_kv, mask):
+    def forward(self, embeds, hidden, cos, sin, past_kv, mask, slot=None):
         """One draft step. ``past_kv``: (k, v) pairs of earlier steps, prepended to this step's keys
-        in order; ``mask`` [S, S_past + S] covers them. Returns the pre-norm output and this step's (k, v)."""
+        in order; ``mask`` [S, S_past + S] covers them. Returns the pre-norm output and this step's (k, v).
+
+        With ``slot`` (int64 [S]): ``past_kv`` is one (k, v) pair of full-length buffers
+        [B, nKV, J·S, hd] and this step's keys go to positions ``slot`` of a copy of them (the keys
+        seen are then the whole buffer, ``mask`` a BlockMask that skips the unwritten part);
+        returns the pre-norm output and the updated buffers."""
         embeds = self.input_layernorm(embeds)
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
@@ -158,10 +167,22 @@ class DecoderLayer(nn.Module):
             residual = hidden
             hidden = self.hidden_norm(hidden)
         q, k, v = self.self_attn.qkv(torch.cat([embeds, hidden], dim=-1), cos, sin)
-        keys = torch.cat([kv[0] for kv in past_kv] + [k], dim=2)
-        values = torch.cat([kv[1] for kv in past_kv] + [v], dim=2)
+        if slot is None:
+            keys = torch.cat([kv[0] for kv in past_kv] + [k], dim=2)
+            values = torch.cat([kv[1] for kv in past_kv] + [v], dim=2)
+        else:  # out of place: the earlier steps' buffers stay intact for their backward
+            keys = past_kv[0].index_copy(2, slot, k.to(past_kv[0].dtype))
+            values = past_kv[1].index_copy(2, slot, v.to(past_kv[1].dtype))
+            k, v = keys, values
+            q = q.to(keys.dtype)
         residual = self.self_attn.attend(q, keys, values, mask) + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual, (k, v)
+
+
+def token_embeds_ids(input_ids, ttt_length):
+    """[B, T+ttt_length-1]: the tokens whose embeddings the TTT reads (step j at base t reads the
+    token at t+1+j, i.e. column t+j); past the end, token 0, whose rows carry no loss."""
+    return F.pad(input_ids, (0, ttt_length))[:, 1:]
 
 
 def ttt_mask(T, step, device=None):
@@ -172,22 +193,55 @@ def ttt_mask(T, step, device=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
+def _compiled_flex_attention():
+    """flex_attention for eager callers on CUDA: compiled into its fused kernel (uncompiled it runs a
+    dense reference implementation, far slower, and evaluates the mask_mod on every key)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=64)
-def ttt_block_mask(T, step, device):
-    """``ttt_mask`` as a flex-attention BlockMask: only the causal block and the diagonals are computed,
-    so step j costs about what step 0 does instead of (j+1) full T x T blocks. GPU only."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128  # flex attention's block: the flex path pads T to a multiple of it
+
+
+@functools.lru_cache(maxsize=None)
+def _ttt_mask_mod(T):
+    """``ttt_mask``'s pattern over key buffers of any number of steps (step i's keys at i*T..(i+1)*T):
+    one function object per T, so a compiled step sees the same mask_mod at every step."""
 
     def allowed(b, h, q, k):
         return torch.where(k < T, k <= q, (k % T) == q)
 
-    return create_block_mask(allowed, None, None, T, (step + 1) * T, device=device)
+    return allowed
+
+
+@functools.lru_cache(maxsize=32)
+def ttt_block_masks(T, ttt_length, device):
+    """One flex-attention BlockMask per TTT step j over a key buffer of ``ttt_length * T`` keys: it
+    lists only the blocks of steps <= j (the causal blocks of step 0 and one diagonal block row per
+    later step), so step j costs about what step 0 does and never reads the unwritten part of the
+    buffer. ``T`` must be a multiple of FLEX_BLOCK: then no block straddles two steps and the shared
+    mask_mod (``_ttt_mask_mod``) needs no step limit. Same shapes and mask_mod at every j.
+    The block lists, not the mask_mod, keep later steps out: only a compiled flex kernel honours
+    them (``Attention.attend`` always compiles it on CUDA; an uncompiled call would read later slots)."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    if T % FLEX_BLOCK:
+        raise ValueError(f"flex TTT attention needs T a multiple of {FLEX_BLOCK}, got {T} (train pads batches to it)")
+    mod = _ttt_mask_mod(T)
+    masks = []
+    for j in range(ttt_length):
+        limit = (j + 1) * T
+
+        def limited(b, h, q, k, limit=limit):
+            return (k < limit) & mod(b, h, q, k)
+
+        bm = create_block_mask(limited, None, None, T, ttt_length * T, device=device, BLOCK_SIZE=FLEX_BLOCK)
+        masks.append(
+            BlockMask.from_kv_blocks(
+                bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mod, seq_lengths=(T, ttt_length * T),
+            )
+        )
+    return masks
 
 
 class Eagle3Draft(nn.Module):
@@ -234,43 +288,122 @@ class Eagle3Draft(nn.Module):
             if norm_weight is not None:
                 self.norm.weight.copy_(norm_weight)
 
-    # "sdpa": a dense boolean mask (any device); "flex": block-sparse flex attention (CUDA; compiled).
+    # How the TTT runs (train.py sets these from the config; the defaults are the reference path):
+    # attention "sdpa": a dense boolean mask, keys concatenated step by step (any device);
+    #           "flex": fixed-shape steps over a preallocated key buffer with block-sparse flex
+    #           attention (T a multiple of FLEX_BLOCK; CUDA for speed, CPU works for tests).
+    # compiled: the flex step is one torch.compile'd function (see ``_flex_step``).
+    # recompute: each TTT step's activations are recomputed in backward instead of kept.
+    # fused_loss: ``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept).
     attention = "sdpa"
+    compiled = False
+    recompute = False
+    fused_loss = False
 
     def step_mask(self, T, step, device):
-        if self.attention == "flex" and device.type == "cuda":
-            return ttt_block_mask(T, step, str(device))
         return ttt_mask(T, step, device)
 
     def draft_ids(self):
         """Target id of every draft id."""
         return draft_to_target_ids(self.d2t)
 
-    def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096):
+    def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096, embeds=None):
         """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
 
         Without ``targets``: the normed output of every step, a list of ``ttt_length`` [B, T, H].
-        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``.
+        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``. ``embeds`` [B, T+ttt_length-1, H]:
+        the target's embeddings of ``token_embeds_ids(input_ids, ttt_length)``, when the caller
+        looks them up itself (train.py does, on the host, so the table stays off the GPU).
         """
+        if embeds is None:
+            if self.embed_weight.shape[0] == 0:
+                raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
+            embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
+        if self.attention == "flex":
+            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length, embeds)
+        else:
+            outs = self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds)
+        if targets is None:
+            return outs
+        if self.fused_loss:
+            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.compiled)
+        return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+
+    def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
         B, T = input_ids.shape
-        tokens = F.pad(input_ids, (0, ttt_length))  # steps read past the end: those rows carry no loss
         hidden = self.fc(aux_hidden)
         base = torch.arange(T, device=input_ids.device)
         past, outs = [], []
         for j in range(ttt_length):
-            hidden = self.step(tokens[:, 1 + j : 1 + j + T], hidden, base, j, past)
+            hidden = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
             outs.append(self.norm(hidden))
-        if targets is None:
-            return outs
-        return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+        return outs
 
-    def step(self, token_ids, hidden, base, j, past):
-        """Draft step ``j`` over [B, T] base positions ``base``: ``token_ids`` [B, T] are the tokens it
-        reads, ``hidden`` [B, T, H] the previous step's pre-norm output (the fused target features at
-        j = 0). Appends this step's (k, v) to ``past``; returns the pre-norm output [B, T, H]."""
-        embeds = F.embedding(token_ids, self.embed_weight).to(self.fc.weight.dtype)
+    def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all):
+        """The same TTT as ``_ttt_dense`` at fixed shapes: the keys of all steps live in one buffer
+        [B, nKV, J·T, hd] allocated up front (step j writes its slot j·T..(j+1)·T out of place) and
+        flex attention's per-step block mask skips what is not written yet, so every step calls
+        ``_flex_step`` with the same shapes, dtypes and mask_mod. Compiled, that is ONE graph for
+        any ttt_length (7 or 10), instead of one per step and a dynamo recompile limit that drops
+        the rest to eager; the price is a buffer of J·T keys (tens of MB) per step."""
+        B, T = input_ids.shape
+        attn = self.midlayer.self_attn
+        hidden = self.fc(aux_hidden)
+        device = input_ids.device
+        if device.type == "cuda" or self.compiled:
+            masks = ttt_block_masks(T, ttt_length, str(device))
+        else:  # CPU (tests): flex has no backward there, and uncompiled it evaluates the mask_mod
+            # densely, which the block lists above rely on not happening; the same pattern as dense masks
+            masks = [F.pad(ttt_mask(T, j, device), (0, (ttt_length - 1 - j) * T)) for j in range(ttt_length)]
+        kv_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.fc.weight.dtype
+        # requires_grad like the buffers of later steps, so step 0 matches the same compiled graph
+        grad = torch.is_grad_enabled()
+        k_buf = torch.zeros(B, attn.n_kv, ttt_length * T, attn.head_dim, device=device, dtype=kv_dtype, requires_grad=grad)
+        v_buf = torch.zeros_like(k_buf, requires_grad=grad)
+        base = torch.arange(T, device=device)
+        step = self._compiled_step() if self.compiled else self._flex_step
+        outs = []
+        for j in range(ttt_length):
+            cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
+            # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
+            hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j])
+            outs.append(normed)
+        return outs
+
+    def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask):
+        """One fixed-shape TTT step -> (pre-norm output, normed output, k_buf, v_buf). With
+        ``recompute`` its activations are recomputed in backward (inside the compiled graph, the
+        checkpoint becomes a region the partitioner recomputes)."""
+
+        def body(embeds, hidden, cos, sin, k_buf, v_buf, slot):
+            embeds = embeds.to(self.fc.weight.dtype)
+            out, (k_buf, v_buf) = self.midlayer(embeds, hidden, cos, sin, (k_buf, v_buf), block_mask, slot=slot)
+            return out, self.norm(out), k_buf, v_buf
+
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(body, embeds, hidden, cos, sin, k_buf, v_buf, slot, use_reentrant=False)
+        return body(embeds, hidden, cos, sin, k_buf, v_buf, slot)
+
+    def _compiled_step(self):
+        # fullgraph: a graph break raises instead of silently running part of the step eagerly;
+        # dynamic=False: one static graph per batch shape (train.py pads batches to few shapes and
+        # sets the recompile limit to their number, failing loudly past it: train.configure_compile).
+        if getattr(self, "_step_compiled", None) is None:
+            self._step_compiled = torch.compile(self._flex_step, dynamic=False, fullgraph=True)
+        return self._step_compiled
+
+    def step(self, embeds, hidden, base, j, past):
+        """Draft step ``j`` over [B, T] base positions ``base``: ``embeds`` [B, T, H] the target's
+        embeddings of the tokens it reads, ``hidden`` [B, T, H] the previous step's pre-norm output
+        (the fused target features at j = 0). Appends this step's (k, v) to ``past``; returns the
+        pre-norm output [B, T, H]. Under ``recompute`` (training) its activations are recomputed in
+        backward instead of kept."""
         cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
-        hidden, kv = self.midlayer(embeds, hidden, cos, sin, past, self.step_mask(len(base), j, base.device))
+        layer = functools.partial(self.midlayer, past_kv=tuple(past), mask=self.step_mask(len(base), j, base.device))
+        if self.recompute and torch.is_grad_enabled():
+            hidden, kv = checkpoint(layer, embeds, hidden, cos, sin, use_reentrant=False)
+        else:
+            hidden, kv = layer(embeds, hidden, cos, sin)
         past.append(kv)
         return hidden
 
@@ -295,7 +428,7 @@ class Eagle3Draft(nn.Module):
         draft_to_target = self.draft_ids()
         past, proposals = [], []
         for j in range(k):
-            hidden = self.step(ids, hidden, base, j, past)
+            hidden = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
             ids = draft_to_target[(self.norm(hidden) @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
             proposals.append(ids[0])
         out = torch.stack(proposals, dim=1).cpu()
@@ -353,3 +486,121 @@ def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
         loss = loss + decay**j * ce / w.sum().clamp(min=1)
         stats.append(torch.stack([ce.detach(), w.sum(), hits.float(), torch.tensor(float(sel.sum()), device=w.device)]))
     return loss, torch.stack(stats)
+
+
+def ttt_loss_plan(rows, T, ttt_length, n_flat):
+    """Which (step, base position) rows ``ttt_loss_fused`` scores, from ``targets["rows"]`` (any
+    device; train.py makes it on the host, in the loader thread, so the step never waits on it).
+
+    Step j scores base t = q-1-j for each loss position q with q % T >= 1+j. Returns int64 tensors
+    over those N rows: ``h_index`` into the steps' outputs stacked [J·n_flat] (n_flat = B·T),
+    ``p_index`` into the targets' rows, ``step`` the step j."""
+    t = rows % T
+    h_index, p_index, step = [], [], []
+    for j in range(ttt_length):
+        sel = (t >= 1 + j).nonzero().squeeze(1)
+        p_index.append(sel)
+        h_index.append(rows[sel] - 1 - j + j * n_flat)
+        step.append(torch.full_like(sel, j))
+    return {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step)}
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """``sum(row_weight * CE(probs[p_index], softmax(hidden @ weight.T)))`` with both gradients
+    computed in forward, ``chunk`` rows at a time: the logits of one chunk are alive at once and
+    none are kept for backward (only d loss / d hidden [N, H] and d loss / d weight [V, H])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, probs, p_index, row_weight, chunk, need_h, need_w, compiled=False):
+        w = weight.to(hidden.dtype)
+        n = hidden.shape[0]
+        ce = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        top = torch.empty(n, device=hidden.device, dtype=torch.int64)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+        for s in range(0, n, chunk):
+            h = hidden[s : s + chunk]
+            if compiled:  # one fused kernel set for the elementwise part; n is a multiple of chunk
+                ce[s : s + chunk], top[s : s + chunk], g = _compiled_soft_ce_grad()(h @ w.T, probs[p_index[s : s + chunk]], row_weight[s : s + chunk])
+                if need_h:
+                    grad_h[s : s + chunk] = g @ w
+                if need_w:
+                    grad_w += (g.T @ h).float()
+                continue
+            logp = (h @ w.T).float()
+            top[s : s + chunk] = logp.argmax(-1)
+            logp -= logp.logsumexp(-1, keepdim=True)  # in place: one [chunk, V] fp32 buffer
+            p = probs[p_index[s : s + chunk]]
+            ce[s : s + chunk] = -torch.linalg.vecdot(p, logp)
+            if need_h or need_w:
+                # d CE / d logits = softmax * sum(p) - p, weighted per row
+                g = logp.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(row_weight[s : s + chunk, None])
+                del p, logp
+                g = g.to(hidden.dtype)
+                if need_h:
+                    grad_h[s : s + chunk] = g @ w
+                if need_w:
+                    grad_w += (g.T @ h).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        loss = (ce * row_weight).sum()
+        ctx.mark_non_differentiable(ce, top)
+        return loss, ce, top
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_ce, _g_top):
+        grad_h, grad_w = ctx.saved_tensors  # scaled in place: no second copy of d loss / d weight
+        gh = grad_h.mul_(g_loss.to(grad_h.dtype)) if grad_h is not None else None
+        gw = grad_w.mul_(g_loss) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def _soft_ce_grad(logits, p, row_weight):
+    """One chunk of ``_LinearSoftCE`` past its matmul: logits [n, V], target probs p [n, V] ->
+    CE [n], argmax [n], d loss / d logits [n, V] in the logits' dtype (the same math as the eager
+    in-place path, written plainly for the compiler to fuse)."""
+    x = logits.float()
+    logp = x - x.logsumexp(-1, keepdim=True)
+    ce = -(p * logp).sum(-1)
+    g = (logp.exp() * p.sum(-1, keepdim=True) - p) * row_weight[:, None]
+    return ce, x.argmax(-1), g.to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_soft_ce_grad():
+    # static shapes: ttt_loss_fused pads the rows to a multiple of the chunk, so one graph serves
+    return torch.compile(_soft_ce_grad, dynamic=False, fullgraph=True)
+
+
+def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False):
+    """``ttt_loss`` computed in one pass over all steps' rows (``_LinearSoftCE``): the same loss and
+    stats, no logits kept for backward, no host synchronisation when ``targets["plan"]``
+    (``ttt_loss_plan``, made on the host) is given."""
+    J = len(outs)
+    B, T, H = outs[0].shape
+    plan = targets.get("plan")
+    if plan is None:
+        plan = ttt_loss_plan(targets["rows"], T, J, B * T)
+    hidden = torch.stack(outs).reshape(J * B * T, H).index_select(0, plan["h_index"])
+    p_index, step = plan["p_index"], plan["step"]
+    w = targets["in_draft"][p_index].float()
+    def per_step(x):
+        return torch.zeros(J, device=x.device, dtype=torch.float32).index_add_(0, step, x)
+
+    w_sum = per_step(w)
+    decay_j = decay ** torch.arange(J, device=w.device, dtype=torch.float32)
+    row_weight = w * (decay_j / w_sum.clamp(min=1))[step]
+    need_h = torch.is_grad_enabled() and hidden.requires_grad
+    need_w = torch.is_grad_enabled() and lm_head_weight.requires_grad
+    n = len(p_index)
+    if compiled:  # rows padded to a multiple of chunk (weight 0, so no loss and no gradient);
+        chunk = min(chunk, 1024)  # small chunks: little padding, and the matmuls stay large enough
+        pad = (-n) % chunk
+        hidden = F.pad(hidden, (0, 0, 0, pad))
+        loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], F.pad(p_index, (0, pad)),
+                                            F.pad(row_weight, (0, pad)), chunk, need_h, need_w, True)
+        ce, top = ce[:n], top[:n]
+    else:
+        loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], p_index, row_weight, chunk, need_h, need_w)
+    hits = (draft_ids[top] == targets["argmax"][p_index]).float()
+    stats = torch.stack([per_step(ce * w), w_sum, per_step(hits), per_step(torch.ones_like(w))], dim=1)
+    return loss, stats

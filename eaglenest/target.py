@@ -87,8 +87,28 @@ def target_info(config, aux_layers=None) -> dict:
 # ----------------------------------------------------------------------------- the head
 
 
+def _checkpoint_files(target):
+    """``name -> local Path or None`` for one file of the target's checkpoint: from its directory, or
+    for a hub name only the files asked for (the index and the shards that hold the head: a few GB
+    of a 1T-parameter target, not all of it), through the Hugging Face cache."""
+    root = Path(target).expanduser()
+    if root.is_dir():
+        return lambda name: (root / name) if (root / name).is_file() else None
+
+    def from_hub(name):
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+        try:
+            return Path(hf_hub_download(str(target), name))
+        except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError):
+            return None
+
+    return from_hub
+
+
 def _head_weights_from_checkpoint(target, config):
-    """The three head tensors read straight from a local safetensors checkpoint, or None.
+    """The three head tensors read straight from the target's safetensors checkpoint, or None.
 
     A meta-device copy of the model gives the parameter names; nothing else of the target is read,
     so this costs seconds even for a very large target.
@@ -96,12 +116,12 @@ def _head_weights_from_checkpoint(target, config):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    root = Path(target)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
+    fetch = _checkpoint_files(target)
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
         weight_map = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+    elif (single := fetch("model.safetensors")) is not None:
+        with safe_open(str(single), framework="pt") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         return None
@@ -118,7 +138,7 @@ def _head_weights_from_checkpoint(target, config):
         names = [n for n, p in meta.named_parameters(remove_duplicate=False) if p is param and n in weight_map]
         if not names:
             return None
-        with safe_open(str(root / weight_map[names[0]]), framework="pt") as f:
+        with safe_open(str(fetch(weight_map[names[0]])), framework="pt") as f:
             weights[key] = f.get_tensor(names[0])
     return weights
 
@@ -128,7 +148,7 @@ def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
 
     Writes ``head_path`` (safetensors) and ``head_path`` with suffix ``.json``; returns the info.
     The weights come from ``model`` when given, else straight from the target's safetensors files,
-    else (a hub name, unusual names) from loading the whole target on CPU.
+    else (unusual tensor names) from loading the whole target on CPU.
     """
     from transformers import AutoConfig
 

@@ -16,6 +16,8 @@ import io
 import json
 import math
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from .config import defaults
 from .hidden import HiddenShards
-from .model import DraftConfig, Eagle3Draft
+from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
 from .target import load_target_head, resolve_device
 from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
@@ -36,6 +38,8 @@ CHECKPOINT_FORMAT = "eaglenest.draft/1"
 DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
             "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
+AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss")
+
 
 def resolve_config(config):
     unknown = sorted(set(config or {}) - set(DEFAULTS))
@@ -44,17 +48,73 @@ def resolve_config(config):
     return {**DEFAULTS, **(config or {})}
 
 
+def resolve_runtime(cfg, device):
+    """``cfg`` with the "auto" entries of AUTO_KEYS made concrete for ``device`` ("cuda..."/"cpu").
+
+    On CUDA: flex attention, compiled, recomputed, fused loss. Elsewhere: the dense mask and none of
+    the rest. An explicit choice the device cannot run raises (no silent fallback to a slow path)."""
+    cuda = str(device).startswith("cuda")
+    out = dict(cfg)
+    if out["attention"] == "auto":
+        out["attention"] = "flex" if cuda else "sdpa"
+    if out["compile"] == "auto":
+        out["compile"] = cuda and out["attention"] == "flex"
+    if out["fused_loss"] == "auto":
+        out["fused_loss"] = cuda
+    if out["recompute"] == "auto":
+        # Recomputing the TTT steps costs about a sixth of the step's FLOPs and saves ~0.3 GiB of
+        # activations a step at Llama-3.1-8B sizes (~0.5 at Kimi-K2.5's); a trained lm_head costs
+        # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then.
+        out["recompute"] = cuda and not out["freeze_lm_head"]
+    if out["attention"] not in ("sdpa", "flex"):
+        raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
+    for key in ("compile", "recompute", "fused_loss"):
+        if not isinstance(out[key], bool):
+            raise ValueError(f"train.{key} must be auto, true or false, got {out[key]!r}")
+    if out["compile"] and (not cuda or out["attention"] != "flex"):
+        raise ValueError(
+            f"train.compile: true needs attention: flex on a CUDA device (here attention {out['attention']!r} on "
+            f"{device}): flex attention has no backward on CPU; set compile: auto or false"
+        )
+    return out
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def batch_padding(cfg):
+    """``(pad_to, fixed_rows)``: the flex path pads T to a multiple of FLEX_BLOCK; compiled, a batch
+    also gets ``batch_tokens // T`` rows (empty ones carry no loss), so that there is one shape, and
+    one compiled graph, per padded length."""
+    if cfg.get("attention") != "flex":
+        return 1, False
+    return FLEX_BLOCK, cfg.get("compile") is True
+
+
+def padded_shape(longest, n_seqs, cfg):
+    """[B, T] of a micro-batch of ``n_seqs`` sequences, the longest ``longest`` tokens long."""
+    pad_to, fixed = batch_padding(cfg)
+    T = _round_up(longest, pad_to)
+    if not fixed:
+        return n_seqs, T
+    rows = max(1, cfg["batch_tokens"] // T)
+    if cfg["batch_size"]:
+        rows = min(rows, cfg["batch_size"])
+    return max(rows, n_seqs), T
+
+
 def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
     """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
     keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
     return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in keys})
 
 
-def epoch_batches(lengths, epoch, seed, batch_tokens, batch_size=None, window=1024):
+def epoch_batches(lengths, epoch, seed, batch_tokens, batch_size=None, window=1024, pad_to=1):
     """Micro-batches (lists of sequence indices) of one epoch, a function of (seed, epoch) only.
 
     Shuffle, sort each window of ``window`` sequences by length (little padding), pack greedily so
-    that sequences x longest <= batch_tokens, then shuffle the batches.
+    that sequences x longest (rounded up to ``pad_to``) <= batch_tokens, then shuffle the batches.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
@@ -62,7 +122,7 @@ def epoch_batches(lengths, epoch, seed, batch_tokens, batch_size=None, window=10
     for w in range(0, len(order), window):
         cur = []
         for k in sorted(order[w : w + window], key=lambda k: lengths[k]):
-            longest = max(lengths[cur[-1]], lengths[k]) if cur else lengths[k]
+            longest = _round_up(max(lengths[cur[-1]], lengths[k]) if cur else lengths[k], pad_to)
             if cur and ((len(cur) + 1) * longest > batch_tokens or (batch_size and len(cur) >= batch_size)):
                 batches.append(cur)
                 cur = []
@@ -76,7 +136,7 @@ def micro_batch_stream(lengths, cfg, start=0):
     """Endless ``(epoch, batch)`` over the epochs, from global micro-batch ``start`` on."""
     m, epoch = 0, 0
     while True:
-        batches = epoch_batches(lengths, epoch, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"])
+        batches = epoch_batches(lengths, epoch, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=batch_padding(cfg)[0])
         if m + len(batches) <= start:
             m += len(batches)
         else:
@@ -86,15 +146,21 @@ def micro_batch_stream(lengths, cfg, start=0):
         epoch += 1
 
 
-def load_batch(shards, seq_ids):
-    """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H]."""
+def load_batch(shards, seq_ids, cfg=None, pin=False):
+    """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H]
+    (B, T: ``padded_shape`` under ``cfg``, else the sequences and the longest); ``pin``: page-locked,
+    for asynchronous copies to the GPU."""
     items = [shards[k] for k in seq_ids]
-    B, T = len(items), max(len(it["input_ids"]) for it in items)
+    longest = max(len(it["input_ids"]) for it in items)
+    B, T = padded_shape(longest, len(items), cfg) if cfg else (len(items), longest)
+    def new(*shape, dtype):
+        return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
     out = {
-        "input_ids": torch.zeros(B, T, dtype=torch.int64),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "aux_hidden": torch.zeros(B, T, items[0]["aux_hidden"].shape[1], dtype=items[0]["aux_hidden"].dtype),
-        "last_hidden": torch.zeros(B, T, items[0]["last_hidden"].shape[1], dtype=items[0]["last_hidden"].dtype),
+        "input_ids": new(B, T, dtype=torch.int64),
+        "loss_mask": new(B, T, dtype=torch.bool),
+        "aux_hidden": new(B, T, items[0]["aux_hidden"].shape[1], dtype=items[0]["aux_hidden"].dtype),
+        "last_hidden": new(B, T, items[0]["last_hidden"].shape[1], dtype=items[0]["last_hidden"].dtype),
     }
     for b, it in enumerate(items):
         for name, t in it.items():
@@ -102,17 +168,24 @@ def load_batch(shards, seq_ids):
     return out
 
 
-@torch.no_grad()
-def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27):
-    """The targets of ``model.ttt_loss``, from the target's post-norm last hidden state [B, T, H].
-
-    Only positions q whose next token is a completion token are kept; logits over the full target
-    vocabulary are made ``max_elements // vocab`` rows at a time.
-    """
-    B, T, H = last_hidden.shape
+def loss_rows(loss_mask):
+    """Flat indices b*T + q of the positions q whose next token is a completion token."""
     pred = torch.zeros_like(loss_mask)
     pred[:, :-1] = loss_mask[:, 1:]  # position q predicts token q+1
-    rows = pred.flatten().nonzero().squeeze(1)
+    return pred.flatten().nonzero().squeeze(1)
+
+
+@torch.no_grad()
+def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27, rows=None):
+    """The targets of ``model.ttt_loss``, from the target's post-norm last hidden state [B, T, H].
+
+    Only positions q whose next token is a completion token are kept (``rows``: ``loss_rows`` of
+    ``loss_mask``, when already made on the host); logits over the full target vocabulary are made
+    ``max_elements // vocab`` rows at a time.
+    """
+    B, T, H = last_hidden.shape
+    if rows is None:
+        rows = loss_rows(loss_mask)
     h = last_hidden.reshape(B * T, H)[rows]
     chunk = max(1, max_elements // lm_head_weight.shape[0])
     probs, argmax = [], []
@@ -139,9 +212,154 @@ def _count_steps(lengths, cfg, world):
     if cfg["max_steps"]:
         return int(cfg["max_steps"])
     epochs = float(cfg["epochs"])  # may be fractional: the last epoch is then partly used
-    counts = [len(epoch_batches(lengths, e, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"])) for e in range(math.ceil(epochs))]
+    pad_to = batch_padding(cfg)[0]
+    counts = [len(epoch_batches(lengths, e, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=pad_to)) for e in range(math.ceil(epochs))]
     micro = sum(counts[: int(epochs)]) + (round((epochs - int(epochs)) * counts[-1]) if epochs % 1 else 0)
     return max(1, micro // (cfg["grad_accum"] * world))
+
+
+class BatchLoader:
+    """This rank's micro-batches: read by a background thread ``prefetch`` ahead, in host memory.
+
+    The thread walks ``micro_batch_stream`` (every rank walks the same stream and keeps its own
+    batches), reads the sequences from the memory-mapped shards into page-locked host memory, looks
+    up the target's embeddings of the tokens the TTT reads, and finds the loss rows (and the fused
+    loss's plan) on the host. On CUDA, ``next()`` hands out a batch whose copy to the device was
+    started one call earlier, on a copy stream, with non-blocking copies and an event the compute
+    stream waits on: neither the read, nor the copy, nor an index computation stalls the step, and
+    only two batches are on the device at once.
+    """
+
+    def __init__(self, shards, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
+        self.shards, self.lengths, self.cfg, self.embed_table = shards, lengths, cfg, embed_table
+        self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self.staged = None  # the next batch, its copy to the device under way
+        self.stream = micro_batch_stream(lengths, cfg, start=start)
+        self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="train_draft-loader", daemon=True)
+        self.thread.start()
+
+    def _put(self, item):
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _host_batch(self, seq_ids):
+        batch = load_batch(self.shards, seq_ids, self.cfg, pin=self.on_gpu)
+        B, T = batch["input_ids"].shape
+        ids = token_embeds_ids(batch["input_ids"], self.ttt_length)  # [B, T+J-1]
+        H = self.embed_table.shape[1]
+        batch["embeds"] = torch.empty(*ids.shape, H, dtype=self.embed_table.dtype, pin_memory=self.on_gpu)
+        torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
+        batch["rows"] = loss_rows(batch["loss_mask"])
+        if self.cfg["fused_loss"]:
+            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T)
+        if self.on_gpu:
+            batch["rows"] = batch["rows"].pin_memory()
+            if "plan" in batch:
+                batch["plan"] = {k: v.pin_memory() for k, v in batch["plan"].items()}
+        return batch
+
+    def _run(self):
+        try:
+            for _ in range(self.count):
+                tokens = 0
+                for r in range(self.world):
+                    epoch, seq_ids = next(self.stream)
+                    tokens += sum(self.lengths[k] for k in seq_ids)
+                    if r == self.rank:
+                        mine = seq_ids
+                self._put((epoch, tokens, self._host_batch(mine)))
+                if self.stopping.is_set():
+                    return
+        except BaseException as e:  # handed to the training loop, which raises it
+            self._put(e)
+
+    def _stage(self, block):
+        """Take the next host batch and start its copy to the device (CUDA); False if none is ready."""
+        while True:
+            try:
+                item = self.queue.get(timeout=5) if block else self.queue.get_nowait()
+                break
+            except queue.Empty:
+                if not block:
+                    return False
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise RuntimeError("train_draft: the batch loader thread ended without a batch") from None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"train_draft: reading a batch from {[str(p) for p in self.shards.paths]} failed: {item}") from item
+        epoch, tokens, batch = item
+        event = None
+        if self.on_gpu:
+            with torch.cuda.stream(self.copy_stream):
+                batch = _tree_map(lambda t: t.to(self.device, non_blocking=True), batch)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+        self.staged = (epoch, tokens, batch, event)
+        return True
+
+    def next(self):
+        """``(epoch, tokens of all ranks' micro-batches, batch on the device)``."""
+        if self.staged is None:
+            self._stage(block=True)
+        epoch, tokens, batch, event = self.staged
+        self.staged = None
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            _tree_map(lambda t: t.record_stream(compute), batch)  # made on the copy stream, used here
+            self._stage(block=False)  # the next batch's copy overlaps this step, when it is read already
+        return epoch, tokens, batch
+
+    def close(self):
+        self.stopping.set()
+        while self.thread.is_alive():
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.thread.join()
+
+
+def _tree_map(fn, batch):
+    return {k: ({kk: fn(vv) for kk, vv in v.items()} if isinstance(v, dict) else fn(v)) for k, v in batch.items()}
+
+
+def configure_compile(shapes):
+    """Let dynamo compile one graph of the TTT step per batch shape of the run, and fail past that
+    instead of silently running the rest eagerly (its default once the recompile limit is hit)."""
+    import torch._dynamo
+
+    c = torch._dynamo.config
+    needed = len(shapes) + 2  # + margin: the first call of a shape can compile twice (guards)
+    needed *= 2  # step 0 may differ in dtype from the later steps (norm_before_residual: an fp32 residual)
+
+    def key(*names):  # the name this torch knows (2.6 renamed cache_size -> recompile)
+        for name in names:
+            if hasattr(c, name):
+                return name
+        raise RuntimeError(f"torch {torch.__version__}: torch._dynamo.config has none of {names}; train with compile: false")
+
+    limit, total = key("recompile_limit", "cache_size_limit"), key("accumulated_recompile_limit", "accumulated_cache_size_limit")
+    setattr(c, limit, max(getattr(c, limit), needed))
+    setattr(c, total, max(getattr(c, total), 4 * needed))
+    setattr(c, key("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)
+
+
+def run_shapes(lengths, cfg, start, count, world):
+    """The padded [B, T] shapes of the micro-batches ``start .. start + count*world``."""
+    shapes, stream = set(), micro_batch_stream(lengths, cfg, start=start)
+    for _ in range(count * world):
+        _, ids = next(stream)
+        shapes.add(padded_shape(max(lengths[k] for k in ids), len(ids), cfg))
+    return shapes
 
 
 def _fingerprint(cfg, shards, vocab_path, head_path, world):
@@ -150,9 +368,11 @@ def _fingerprint(cfg, shards, vocab_path, head_path, world):
     facts = {
         "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states")},
         "micro_batches_per_step": cfg["grad_accum"] * world,
-        "shards": [(p.name, p.stat().st_size) for p in shards.paths],
+        # Size and modification time, as make and Snakemake judge files: rewritten shards (even of the
+        # same size) are other data. Hashing their content would read hundreds of GB at real scale.
+        "shards": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards.paths],
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
-        "head": Path(head_path).stat().st_size,
+        "head": (Path(head_path).stat().st_size, Path(head_path).stat().st_mtime_ns),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -171,7 +391,8 @@ def _save_state(state_dir, step, state, keep):
 
 def _write_metrics(path, rows):
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    fields = list(dict.fromkeys(k for r in rows for k in r))  # a resumed run may add columns
+    writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(path, buf.getvalue())
@@ -202,23 +423,30 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
             f"hidden shards (aux layers {shards.aux_layers}, hidden {shards.hidden_size}) do not match "
             f"{head_path} (aux layers {info['aux_layers']}, hidden {info['hidden_size']}): re-extract one or the other"
         )
+    cfg = resolve_runtime(cfg, device)
     dcfg = draft_config(info, len(d2t), cfg)
     torch.manual_seed(cfg["seed"])
     model = Eagle3Draft(dcfg)
-    model.attention = cfg["attention"]
+    model.attention, model.compiled, model.recompute, model.fused_loss = (cfg[k] for k in AUTO_KEYS)
     init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
-    model.set_target(head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32), d2t, t2d, *init)
+    # The target's embedding stays in host memory: the loader looks up each batch's rows there
+    # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
+    embed_table = head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32)
+    model.set_target(embed_table[:0], d2t, t2d, *init)
+    if cfg["freeze_lm_head"]:
+        model.lm_head.weight.requires_grad_(False)
     model.to(device)
     lm_head_target = head["lm_head.weight"].to(device, torch.bfloat16 if on_gpu else torch.float32)
     del head
     draft_ids, t2d_dev = model.draft_ids(), model.t2d
+    params = [p for p in model.parameters() if p.requires_grad]
     trainable = model
     if world > 1:
         # buffers (the frozen embedding, the vocab maps) are equal on every rank: no broadcast each step
         ddp = torch.nn.parallel.DistributedDataParallel
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
         trainable = ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"], **({"fused": True} if on_gpu else {}))
 
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = _count_steps(lengths, cfg, world)
@@ -242,61 +470,107 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         say(f"train_draft: resuming from {path} (step {step} of {total_steps})")
         break
 
-    stream = micro_batch_stream(lengths, cfg, start=step * accum * world)
-    n_tokens_total = 0
-    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
-    while step < total_steps:
-        t0 = time.time()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg, total_steps)
-        sums = torch.zeros(J, 4, device=device)
-        n_tok = torch.zeros((), device=device)
-        for a in range(accum):
-            for r in range(world):  # every rank walks the same stream and keeps its own batches
-                epoch, batch_ids = next(stream)
-                if r == rank:
-                    mine = batch_ids
-            batch = {k: v.to(device, non_blocking=True) for k, v in load_batch(shards, mine).items()}
-            targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev)
-            aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].float()
-            sync = world == 1 or a == accum - 1
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                with trainable.no_sync() if not sync else contextlib.nullcontext():
-                    loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"], chunk=cfg["loss_chunk"])
-                    (loss / accum).backward()
-            sums += st
-            n_tok += sum(lengths[k] for k in mine)
-        if world > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(n_tok)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
+    remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
+    how = f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}"
+    if cfg["compile"]:
+        shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
+        configure_compile(shapes)
+        how += f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
+    if rank == 0:
+        say(f"train_draft: {device}, {how}")
+    loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world,
+                         device=device, ttt_length=J, embed_table=embed_table)
 
-        s = sums.cpu()
-        ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
-        acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
-        seconds = time.time() - t0
-        n_tokens_total += int(n_tok)
-        row = {"step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "loss": sum(cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
-        row.update({f"loss_{j}": ce[j] for j in range(J)})
-        row.update({f"acc_{j}": acc[j] for j in range(J)})
-        row.update({"grad_norm": float(grad_norm), "tokens": int(n_tok), "tokens_per_s": int(n_tok) / seconds})
-        rows.append(row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        if rank == 0 and step % cfg["save_every"] == 0 and step < total_steps:
-            state = {
-                "fingerprint": fingerprint,
-                "step": step,
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state(device) if on_gpu else None,
-                "metrics": rows,
-            }
-            _save_state(state_dir, step, state, cfg["keep_states"])
+    n_tokens_total = 0  # tokens trained by this invocation (not the resumed steps)
+    pending = []  # steps whose metrics are still on the device: read every log_every steps
+    bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
+
+    def flush():
+        nonlocal n_tokens_total, t_window, last_event
+        if not pending:
+            return
+        values = torch.stack([torch.cat([p["sums"].flatten(), p["grad_norm"].reshape(1).float()]) for p in pending]).cpu()
+        seconds = time.time() - t_window
+        window_tokens = sum(p["tokens"] for p in pending)
+        peak = None
+        if on_gpu:
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        for p, v in zip(pending, values):
+            s, grad_norm = v[:-1].view(J, 4), float(v[-1])
+            ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
+            acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
+            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
+            row.update({f"loss_{j}": ce[j] for j in range(J)})
+            row.update({f"acc_{j}": acc[j] for j in range(J)})
+            # tokens/s: on CUDA from events recorded at the end of each step on the compute stream
+            # (the time between two step ends, idle gaps included); else over the window of steps
+            # read together (the host does not wait on each step)
+            rate = window_tokens / max(seconds, 1e-9)
+            if p.get("event") is not None and last_event is not None:
+                rate = p["tokens"] / max(last_event.elapsed_time(p["event"]) / 1e3, 1e-9)
+            last_event = p.get("event")
+            row.update({"grad_norm": grad_norm, "tokens": p["tokens"], "tokens_per_s": rate})
+            if peak is not None:
+                row["peak_gib"] = round(peak, 3)  # the most allocated since the previous read
+            rows.append(row)
+            n_tokens_total += p["tokens"]
+        bar.update(len(pending))
+        bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", acc0=f"{rows[-1]['acc_0']:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
+        pending.clear()
+        t_window = time.time()
+
+    t_window, last_event = time.time(), None
+    try:
+        while step < total_steps:
+            lr = lr_at(step, cfg, total_steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            sums = torch.zeros(J, 4, device=device)
+            n_tok = 0
+            for a in range(accum):
+                epoch, tokens, batch = loader.next()
+                targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev, rows=batch["rows"])
+                if "plan" in batch:
+                    targets["plan"] = batch["plan"]
+                aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].float()
+                sync = world == 1 or a == accum - 1
+                with trainable.no_sync() if not sync else contextlib.nullcontext():
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+                        loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
+                                             chunk=cfg["loss_chunk"], embeds=batch["embeds"])
+                    # backward outside autocast: its cache of bf16 weight copies is gone by then
+                    (loss / accum).backward()
+                sums += st.detach()
+                n_tok += tokens
+            if world > 1:
+                dist.all_reduce(sums)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            event = None
+            if on_gpu:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            pending.append({"step": step, "epoch": epoch, "lr": lr, "sums": sums, "grad_norm": grad_norm.detach(), "tokens": n_tok, "event": event})
+            save = rank == 0 and step % cfg["save_every"] == 0 and step < total_steps
+            if save or step % cfg["log_every"] == 0 or step == total_steps:
+                flush()
+            if save:
+                state = {
+                    "fingerprint": fingerprint,
+                    "step": step,
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state(device) if on_gpu else None,
+                    "metrics": rows,
+                }
+                _save_state(state_dir, step, state, cfg["keep_states"])
+    finally:
+        loader.close()
+    flush()
     bar.close()
 
     seconds = time.time() - t_start

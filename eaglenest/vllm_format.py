@@ -470,3 +470,53 @@ def acceptance(counts: dict, k: int) -> dict:
         "draft_tokens": int(draft_tokens),
         "accepted": int(accepted),
     }
+
+# ----------------------------------------------------------------------------- hidden-state extraction
+# vLLM's extraction mode (docs/vllm-format.md): the extract_hidden_states speculative method records
+# the given layer ids; a KV connector writes each request's states to a file.
+
+
+def extraction_layer_ids(aux_layer_ids, num_layers: int) -> list[int]:
+    """The ids an extraction server records: the draft's aux layers, then ``num_layers`` (the final
+    output BEFORE the final norm; the shard stores it after, see hidden.py)."""
+    return sorted(int(i) for i in aux_layer_ids) + [int(num_layers)]
+
+
+# Engine flags the extraction server needs (chunked prefill is incompatible with the extraction
+# method; prefix caching would return fewer states than tokens), and the flags they replace.
+EXTRACT_FLAGS = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
+CONFLICTING_FLAGS = {"--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-prefix-caching",
+                     "--no-enable-prefix-caching"}
+CONFLICTING_VALUE_FLAGS = {"--speculative-config", "--kv-transfer-config", "--reasoning-parser"}
+
+
+def extraction_speculative_config(layer_ids) -> dict:
+    """``--speculative-config`` of an extraction server recording the given vLLM layer ids."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(layer_ids)}}}
+
+
+def extraction_kv_transfer_config(storage) -> dict:
+    """``--kv-transfer-config`` naming eaglenest's connector (``vllm_connector.py``: upstream's on GPUs)."""
+    from .vllm_connector import CONNECTOR, MODULE
+
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+
+def extraction_server_args(layer_ids, storage, extra_args=()) -> list[str]:
+    """``extra_args`` without flags that contradict extraction, then the extraction flags."""
+    kept, skip = [], False
+    for arg in map(str, extra_args):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in CONFLICTING_FLAGS:
+            continue
+        if name in CONFLICTING_VALUE_FLAGS:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept + ["--speculative-config", json.dumps(extraction_speculative_config(layer_ids)),
+                   "--kv-transfer-config", json.dumps(extraction_kv_transfer_config(storage)), *EXTRACT_FLAGS]

@@ -27,6 +27,11 @@ except ConfigError as e:
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
+# hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and
+# pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
+VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
+HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
+HIDDEN_STATES_DIR = "hidden/.vllm_states"
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
@@ -86,8 +91,14 @@ def dataset_files(wildcards):
     return [path] if os.path.exists(path) else []
 
 
+def hidden_server_stopped():
+    """GPU work after extraction waits until the extraction server has released the GPUs."""
+    return ["hidden_server.stopped"] if VLLM_HIDDEN else []
+
+
 def stop_server_on_exit(why):
-    """The server never outlives the workflow by accident (unless server.keep_server is set)."""
-    stop_server(SERVER, SERVER_LOG_DIR, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))
+    """The servers never outlive the workflow by accident (unless server.keep_server is set)."""
+    for log_dir in (SERVER_LOG_DIR, HIDDEN_SERVER_LOG_DIR):
+        stop_server(SERVER, log_dir, log=lambda m: logger.info(f"eaglenest: {m} ({why})"))
     if not SERVER.keep_server:
         forget_run_key()  # no server of this run is left: the next run makes a new key

@@ -20,6 +20,7 @@ rule train_draft:
         hidden=expand("hidden/shard_{i}.safetensors", i=SHARDS),
         vocab="draft/vocab.safetensors",
         head="hidden/target_head.safetensors",
+        hidden_server_stopped=hidden_server_stopped(),
     output:
         checkpoint="draft/checkpoint.safetensors",
         metrics="draft/train_metrics.csv",

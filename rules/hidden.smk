@@ -13,24 +13,91 @@ rule save_target_head:
         "../scripts/save_target_head.py"
 
 
-rule extract_hidden:
-    input:
-        traces="traces/shard_{i}.jsonl",
-        # The generation server has released the GPUs before the target is loaded here.
-        server_stopped="server.stopped",
-    output:
-        hidden_output("hidden/shard_{i}.safetensors"),
-    params:
-        target=target_model(),
-        aux_layers=config["draft"]["aux_layers"],
-        hidden={k: v for k, v in config["hidden"].items() if k not in ("temporary", "device", "batch_tokens", "gpus")},
-    resources:
-        gpu=gpus("hidden"),
-    conda:
-        "../envs/eaglenest.yaml"
-    log:
-        "logs/extract_hidden/shard_{i}.log",
-    benchmark:
-        "logs/benchmarks/extract_hidden/shard_{i}.tsv"
-    script:
-        "../scripts/extract_hidden.py"
+if VLLM_HIDDEN:
+
+    localrules:
+        hidden_server_ready,
+        stop_hidden_server,
+
+    rule hidden_server_ready:
+        """The extraction server: the trace server's model and settings in vLLM's extraction mode.
+        It starts once the trace server has released the GPUs (server.stopped)."""
+        input:
+            server_stopped="server.stopped",
+            head="hidden/target_head.safetensors",
+        output:
+            temp("hidden_server.ready"),
+        params:
+            server=config["server"],
+            hidden=config["hidden"],
+            log_dir=HIDDEN_SERVER_LOG_DIR,
+            states_dir=HIDDEN_STATES_DIR,
+        log:
+            "logs/hidden_server_ready.log",
+        script:
+            "../scripts/hidden_server_ready.py"
+
+    rule extract_hidden_vllm:
+        """One shard's hidden states from the extraction server (its client needs no GPU, hence its
+        own rule name: the SLURM profile gives it no GPU partition)."""
+        input:
+            traces="traces/shard_{i}.jsonl",
+            ready="hidden_server.ready",
+            head="hidden/target_head.safetensors",
+        output:
+            hidden_output("hidden/shard_{i}.safetensors"),
+        params:
+            hidden={k: v for k, v in config["hidden"].items() if k in ("max_length", "use_truncated")},
+            # what changes the states vLLM computes: a change re-extracts every shard
+            served={k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")},
+        resources:
+            # One shard at a time against the server, each with hidden.concurrency requests in flight.
+            generation_slots=1,
+        conda:
+            "../envs/eaglenest.yaml"
+        log:
+            "logs/extract_hidden/shard_{i}.log",
+        benchmark:
+            "logs/benchmarks/extract_hidden/shard_{i}.tsv"
+        script:
+            "../scripts/extract_hidden_vllm.py"
+
+    rule stop_hidden_server:
+        """Stops the extraction server once the last shard is extracted: training waits on this edge."""
+        input:
+            expand("hidden/shard_{i}.safetensors", i=SHARDS),
+        output:
+            "hidden_server.stopped",
+        params:
+            server=config["server"],
+            log_dir=HIDDEN_SERVER_LOG_DIR,
+        log:
+            "logs/stop_hidden_server.log",
+        script:
+            "../scripts/stop_server.py"
+
+else:
+
+    rule extract_hidden:
+        input:
+            traces="traces/shard_{i}.jsonl",
+            # The generation server has released the GPUs before the target is loaded here.
+            server_stopped="server.stopped",
+        output:
+            hidden_output("hidden/shard_{i}.safetensors"),
+        params:
+            target=target_model(),
+            aux_layers=config["draft"]["aux_layers"],
+            hidden={k: v for k, v in config["hidden"].items()
+                    if k not in ("temporary", "device", "batch_tokens", "gpus", "backend", "concurrency", "port",
+                                 "request_timeout", "max_retries")},
+        resources:
+            gpu=gpus("hidden"),
+        conda:
+            "../envs/eaglenest.yaml"
+        log:
+            "logs/extract_hidden/shard_{i}.log",
+        benchmark:
+            "logs/benchmarks/extract_hidden/shard_{i}.tsv"
+        script:
+            "../scripts/extract_hidden.py"

@@ -3,7 +3,12 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
+from eaglenest.gpus import hold_gpus
 from eaglenest.hidden import extract_hidden
+from eaglenest.util import say
+
+# Jobs run side by side each get their own GPUs (a SLURM job keeps the scheduler's).
+hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 
 h = snakemake.params.hidden
 extract_hidden([snakemake.input.traces], snakemake.output[0], snakemake.params.target,

@@ -1,4 +1,5 @@
-"""Stop the generation server once every trace shard is done (unless server.keep_server)."""
+"""Stop a local server or SLURM job once its last consumer is done (unless server.keep_server): the
+generation server after the traces, the extraction server after the hidden shards."""
 from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
@@ -7,5 +8,5 @@ from eaglenest.server import ServerConfig, stop_server
 from eaglenest.util import say, write_atomic
 
 what = stop_server(ServerConfig.from_dict(snakemake.params.server), snakemake.params.log_dir)
-say(f"generation server: {what}")
+say(f"server ({snakemake.params.log_dir}): {what}")
 write_atomic(snakemake.output[0], {"server": what}, indent=None)

@@ -9,8 +9,12 @@ to_log(snakemake.log[0])
 
 import torch
 
+from eaglenest.gpus import hold_gpus
 from eaglenest.train import train_draft
 from eaglenest.util import say
+
+# Its own GPUs for this job and the torchrun processes it starts (a SLURM job keeps the scheduler's).
+hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 
 config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
 nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]

@@ -84,13 +84,14 @@ def test_library_keyword_defaults_agree_with_the_schema():
     the schema's: calling the library without Snakemake gives what the workflow would."""
     import inspect
 
-    from eaglenest import hidden, prompts, vocab
+    from eaglenest import extract_vllm, hidden, prompts, vocab
     from eaglenest.config import defaults
 
     # prepare_prompts: one shard and nothing held out are the library's quick call; the workflow
     # always passes dataset.heldout and shards.
     checks = [(prompts.prepare_prompts, defaults("dataset"), {"heldout"}),
               (hidden.extract_hidden, defaults("hidden"), set()),
+              (extract_vllm.extract_hidden_vllm, defaults("hidden"), set()),
               (vocab.build_vocab, {"use_truncated": defaults("hidden")["use_truncated"],
                                    "draft_vocab_size": defaults("draft")["vocab_size"]}, set())]
     compared = 0

@@ -1,13 +1,12 @@
 """The two export formats (vLLM's EAGLE-3 format and the speculators format) from the same weights.
 
 Fast tests check what export writes against vLLM's own speculators config code (no server). The
-tests marked ``vllm`` run the real workflow on the toy with a draft vocabulary smaller than the
-target's (48 of 105 tokens, so vLLM maps draft ids through ``d2t``) up to the validation report,
-which serves both formats in real vLLM (the speculators one as its users start it: its directory as
+tests marked ``vllm`` take the embedded default's run (shared with tests/test_default_workflow.py),
+whose draft vocabulary is smaller than the target's (48 of 105 tokens, so vLLM maps draft ids
+through ``d2t``) and whose validation report serves both formats in real vLLM (the speculators one as its users start it: its directory as
 ``--model``), and then serve a copy with a deliberately wrong ``d2t``: the check that vLLM's
 acceptance stays within 10% of the offline prediction must fail for it, which proves vLLM reads the
-mapping. Five vLLM starts in all (traces, target alone, two formats, n-gram) plus one: about eight
-minutes on 2 cores.
+mapping. One vLLM start beyond the shared run.
 """
 import json
 import os
@@ -178,21 +177,16 @@ def test_export_format_defaults_to_both():
 
 
 @pytest.fixture(scope="module")
-def validated(tmp_path_factory):
-    """The workflow up to its validation report on the toy, with a 48-token draft vocabulary, then
-    a copy of the vLLM-format draft with d2t shifted by one place served in real vLLM."""
-    if not (TOY_TARGET / "config.json").exists():
-        pytest.fail(f"the toy target is missing: rebuild it with python -m eaglenest.toy --out {TOY_TARGET}")
-    wd = tmp_path_factory.mktemp("formats_vllm")
-    cfg = write_config(wd, dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64},
-                       hidden={"dtype": "float32"}, draft={"vocab_size": DRAFT_VOCAB}, train=TRAIN,
-                       validate={"num_speculative_tokens": K, "min_seconds": 0, "warmup_requests": 1,
-                                 "offline": {"tokens": "served"}})
-    run_snakemake(wd, "reports/validation.json", timeout=1500)
-    report = json.loads((wd / "reports/validation.json").read_text())
+def validated(default_run):
+    """The default workflow's run (conftest.default_run: the embedded default, a 48-token draft
+    vocabulary, both formats measured in its report), then a copy of its vLLM-format draft with d2t
+    shifted by one place served in real vLLM."""
+    wd, cfg, report = default_run
+    assert cfg["draft"]["vocab_size"] == DRAFT_VOCAB, "the embedded default's draft vocabulary changed"
 
     # The same draft with every draft id mapped to its neighbour's target id (a permutation: in range).
     wrong = wd / "wrong_d2t"
+    shutil.rmtree(wrong, ignore_errors=True)
     shutil.copytree(wd / "draft/checkpoint", wrong)
     config, tensors = load_exported(wrong)
     d2t = tensors["d2t"]

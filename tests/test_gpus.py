@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.errors import GpuError
 from eaglenest.gpus import claim_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOLDER = """
 import os, sys, time
 from pathlib import Path
+from eaglenest.errors import GpuError
 from eaglenest.gpus import claim_gpus
 n, devices, locks, out = int(sys.argv[1]), [int(d) for d in sys.argv[2].split(",")], sys.argv[3], Path(sys.argv[4])
 with claim_gpus(n, devices=devices, locks=locks, poll_s=0.1, log=lambda m: None) as ids:
@@ -99,7 +101,7 @@ def test_claim_sets_and_restores_the_environment(tmp_path, no_preset):
 
 
 def test_more_gpus_than_the_machine_has_is_a_clear_error(tmp_path, no_preset):
-    with pytest.raises(RuntimeError, match="asks for 3 GPUs but this machine has 2"):
+    with pytest.raises(GpuError, match="asks for 3 GPUs but this machine has 2"):
         with claim_gpus(3, devices=[0, 1], locks=tmp_path):
             pass
 
@@ -114,7 +116,7 @@ def test_timeout_names_the_locks(tmp_path, no_preset):
     a, out_a = start_holder(tmp_path, "a", n=1, devices="0")
     try:
         assert wait_file(out_a) == "0"
-        with pytest.raises(TimeoutError, match="other jobs still hold"):
+        with pytest.raises(GpuError, match="other jobs still hold"):
             with claim_gpus(1, devices=[0], locks=tmp_path / "locks", poll_s=0.1, timeout_s=0.5, log=lambda m: None):
                 pass
     finally:

@@ -144,3 +144,32 @@ def test_target_head_saved_once_from_the_checkpoint(target, tmp_path):
     assert torch.equal(tensors["embed_tokens.weight"], model.model.embed_tokens.weight)
     assert torch.equal(tensors["lm_head.weight"], model.lm_head.weight)
     assert torch.equal(tensors["norm.weight"], model.model.norm.weight)
+
+
+def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, monkeypatch):
+    """A hub name (here an offline Hugging Face cache laid out as the hub client writes it) gives the
+    head from the index and the one shard that holds it, never the whole target."""
+    import shutil
+
+    from eaglenest import target as target_mod
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(target, snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
+    head_path = tmp_path / "target_head.safetensors"
+    save_target_head("org/tiny", head_path, aux_layers=[0, 1, 3])
+    tensors, saved = load_target_head(head_path)
+    reference, _ = load_target_head(_saved_head(target, tmp_path / "ref.safetensors"))
+    assert saved["target"] == "org/tiny"
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+        assert torch.equal(tensors[name], reference[name])
+
+
+def _saved_head(target, path):
+    save_target_head(target, path, aux_layers=[0, 1, 3])
+    return path

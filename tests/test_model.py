@@ -146,3 +146,44 @@ def test_chunked_loss_matches_one_chunk():
     assert torch.equal(top1, top2)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("attention,fused,recompute", [("sdpa", True, False), ("sdpa", False, True), ("flex", True, True), ("flex", False, False)])
+def test_fast_path_layouts_compute_the_reference(attention, fused, recompute):
+    """The GPU path's pieces (fixed-shape key buffer, fused loss, recomputation) give the reference
+    path's loss, stats and gradients. On CPU the flex layout runs with dense masks over its buffer
+    (flex attention has no CPU backward); the flex kernel itself is checked on the GPU
+    (benchmarks/gpu_check.py)."""
+    torch.manual_seed(0)
+    model = make_model().train()
+    B, T = 2, 128  # the flex layout needs T a multiple of 128
+    ids, aux = inputs(B=B, T=T)
+    rows = torch.nonzero(torch.rand(B * T) > 0.3).squeeze(1)
+    targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD), -1),
+               "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.rand(len(rows)) > 0.2}
+    results = []
+    for variant in (("sdpa", False, False), (attention, fused, recompute)):
+        model.attention, model.fused_loss, model.recompute = variant
+        model.zero_grad()
+        loss, stats = model(ids, aux, targets, ttt_length=J, chunk=50)  # several loss chunks
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()]))
+    (l0, s0, g0), (l1, s1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-3)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_flex_block_masks_share_shapes_and_mask_mod():
+    """One compiled graph serves every TTT step only if the step's inputs differ in values alone."""
+    from eaglenest.model import ttt_block_masks
+
+    masks = ttt_block_masks(256, 5, "cpu")
+    assert len({m.mask_mod for m in masks}) == 1 and len({m.seq_lengths for m in masks}) == 1
+    assert len({tuple(m.kv_indices.shape) for m in masks}) == 1
+    dense = [m.to_dense()[0, 0] for m in masks]  # [q blocks, kv blocks]: step j reaches kv block row j
+    for j, d in enumerate(dense):
+        assert d[:, (j + 1) * 2 :].sum() == 0 and d[:, j * 2 : (j + 1) * 2].sum() > 0
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ttt_block_masks(100, 3, "cpu")

@@ -123,6 +123,7 @@ def test_port_held_by_a_stranger_is_refused(tmp_path):
         s.close()
 
 
+@pytest.mark.vllm
 def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
     # A real vLLM launch with a model directory that holds no model: vLLM exits during start-up.
     (tmp_path / "no-such-model").mkdir()
@@ -138,6 +139,7 @@ def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
     assert not paths.pidfile.exists()
 
 
+@pytest.mark.vllm
 def test_watchdog_stops_server_when_workflow_dies(tmp_path):
     # The "workflow" is a short-lived process; the "server" is a real vLLM launch that is still loading.
     workflow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])

@@ -75,7 +75,7 @@ def _run(args, **kw):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster_up():
     """The cluster must answer and have its node up; otherwise every test here fails with the reason."""
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         pytest.fail("SLURM's client tools are not installed: run `ci/slurm_up.sh` as root first")
@@ -84,9 +84,15 @@ def cluster():
     if out.returncode != 0 or not states & {"idle", "mixed", "allocated", "completing"}:
         pytest.fail(f"the SLURM cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}): "
                     f"run `ci/slurm_up.sh` as root first")
+
+
+@pytest.fixture
+def cluster(cluster_up):
+    """A list a test appends its SLURM job names to before it submits: every job of those names is
+    cancelled when the test ends, passed or failed (scancel --name matches whole names)."""
     submitted = []
     yield submitted
-    for name in submitted:  # nothing this module submitted outlives it
+    for name in submitted:
         _run(["scancel", "--me", "--name", name])
 
 

@@ -93,6 +93,46 @@ def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
     assert run(data, tmp_path, {**CONFIG, "seed": 4})["resumed_from"] is None
 
 
+def test_state_saved_for_a_shard_whose_content_changed_is_ignored(data, tmp_path, monkeypatch):
+    """Same name, same size, other numbers: the saved state belongs to other data."""
+    import shutil
+    copy = dict(data, hidden_paths=[tmp_path / "shard_0.safetensors"])
+    shutil.copy(data["hidden_paths"][0], copy["hidden_paths"][0])
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy, tmp_path / "out")
+    monkeypatch.setattr(train, "_save_state", save)
+    path = copy["hidden_paths"][0]
+    size = path.stat().st_size
+    _flip_signs_in_place(path)
+    assert path.stat().st_size == size
+    assert run(copy, tmp_path / "out")["resumed_from"] is None
+
+
+def _flip_signs_in_place(path):
+    """Flip the sign of the first values of a float tensor, rewriting those bytes only (the size stays)."""
+    import json
+    import struct
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        name, width = next((k, {"F32": 4, "BF16": 2, "F16": 2}[v["dtype"]]) for k, v in header.items()
+                           if k != "__metadata__" and v["dtype"] in ("F32", "BF16", "F16"))
+        begin = 8 + n + header[name]["data_offsets"][0]
+        f.seek(begin)
+        raw = bytearray(f.read(16 * width))
+        for i in range(width - 1, len(raw), width):  # little-endian: the sign is the last byte's top bit
+            raw[i] ^= 0x80
+        f.seek(begin)
+        f.write(raw)
+
+
 def _ddp_rank(rank, world, port, data, out, config):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -152,3 +192,76 @@ def test_target_distribution_shifts_the_mask_and_flags_out_of_vocab():
     assert torch.equal(tg["argmax"], logits.argmax(-1))
     torch.testing.assert_close(tg["probs"], torch.softmax(logits[:, draft_ids], -1))
     assert torch.equal(tg["in_draft"], t2d[logits.argmax(-1)])
+
+
+def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu():
+    cfg = resolve_config({})
+    assert {k: cfg[k] for k in train.AUTO_KEYS} == dict.fromkeys(train.AUTO_KEYS, "auto")
+    cpu = train.resolve_runtime(cfg, "cpu")
+    assert (cpu["attention"], cpu["compile"], cpu["recompute"], cpu["fused_loss"]) == ("sdpa", False, False, False)
+    cuda = train.resolve_runtime(cfg, "cuda:0")
+    assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, True, True)
+    assert train.resolve_runtime({**cfg, "attention": "sdpa"}, "cuda")["compile"] is False
+    assert train.resolve_runtime({**cfg, "freeze_lm_head": True}, "cuda")["recompute"] is False
+    with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
+        train.resolve_runtime({**cfg, "compile": True}, "cpu")
+    # compiled: batches padded to one shape per padded length
+    assert train.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
+    assert train.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)
+
+
+def test_default_config_trains_on_cpu_with_the_reference_path(data, tmp_path, capsys):
+    config = {k: v for k, v in CONFIG.items() if k != "save_every"}
+    stats = run(data, tmp_path, {**config, "log_every": 4})
+    assert "train_draft: cpu, attention sdpa, recompute False, fused loss False" in capsys.readouterr().err
+    rows = list(csv.DictReader(open(tmp_path / "train_metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 7)) and stats["steps"] == 6
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_frozen_lm_head_stays_put(data, tmp_path):
+    run(data, tmp_path / "a", {**CONFIG, "freeze_lm_head": True, "max_steps": 2})
+    run(data, tmp_path / "b", {**CONFIG, "max_steps": 2})
+    def head(d):
+        return load_checkpoint(tmp_path / d / "checkpoint.safetensors")[0]["lm_head.weight"]
+
+    from safetensors.torch import load_file
+
+    start = load_file(str(data["head_path"]))["lm_head.weight"]
+    d2t = load_file(str(data["vocab_path"]))["d2t"]
+    torch.testing.assert_close(head("a"), start[torch.arange(len(d2t)) + d2t])
+    assert not torch.allclose(head("b"), head("a"))
+
+
+def test_a_failed_batch_read_stops_training_with_the_shard_named(data, tmp_path, monkeypatch):
+    """Batches are read by a background thread: its error must reach the training loop, not hang it."""
+    real = train.load_batch
+    calls = []
+
+    def failing(shards, seq_ids, *args, **kwargs):
+        calls.append(seq_ids)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return real(shards, seq_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train, "load_batch", failing)
+    with pytest.raises(RuntimeError, match=r"reading a batch from .*shard_0.safetensors.* failed: Input/output error"):
+        run(data, tmp_path, {**CONFIG, "save_every": 100})
+    assert not (tmp_path / "checkpoint.safetensors").exists()
+
+
+def test_compiled_batches_come_in_one_shape_per_padded_length():
+    """Compiled, every micro-batch of a run is padded to [batch_tokens // T, T] with T a multiple of
+    128, so the run compiles one graph per padded length, and never has more sequences than rows."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 2048) for _ in range(3000)]
+    cfg = train.resolve_runtime(resolve_config({"batch_tokens": 8192}), "cuda")
+    shapes = train.run_shapes(lengths, cfg, 0, 400, 1)
+    assert all(T % 128 == 0 and B == 8192 // T for B, T in shapes)
+    assert len(shapes) == len({T for _, T in shapes}) <= 2048 // 128
+    for batch in train.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
+        B, T = train.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
+        assert len(batch) <= B and B * T <= 8192

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TOY_TARGET, run_snakemake, snakemake_cmd, write_config
+from conftest import TOY_TARGET, descendants_running, run_snakemake, snakemake_cmd, write_config
 from eaglenest.server import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
@@ -119,9 +119,6 @@ def _wait_partial(wd, n, proc, timeout=600):
     pytest.fail("no partial records appeared")
 
 
-def _script_pids(name):
-    out = subprocess.run(["pgrep", "-f", name], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def _finished_before(partial):
@@ -146,7 +143,9 @@ def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
         proc = _start(wd, "traces/shard_0.jsonl")
         partial = _wait_partial(wd, 20, proc)
         server_pid = read_pidfile(LocalPaths(wd / "logs/server"))["pid"]
-        for pid in _script_pids("generate_traces.py"):
+        jobs = descendants_running(proc.pid, "generate_traces.py")  # this test's job only
+        assert jobs, "the generate_traces job of this workflow is running"
+        for pid in jobs:
             os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
         before = _finished_before(partial)

@@ -1,0 +1,99 @@
+"""Fast GPU correctness check of train_draft's CUDA path, run before any timing (exit 1 on failure).
+
+The path `train_draft` picks on CUDA (flex attention over a fixed-shape key buffer, the TTT step
+compiled, each step recomputed in backward, the fused lm_head + loss) against the reference path
+(dense mask, eager, chunked loss) on a small draft: loss, per-step stats and every gradient, under
+bf16 autocast as training runs, against the reference under the same autocast and in fp32, at TTT 7
+and 10, with the number of graphs dynamo compiled (one per TTT length, not one per TTT step). On CPU only the uncompiled variants run.
+
+    python benchmarks/gpu_check.py
+"""
+
+import json
+import sys
+
+import torch
+
+from eaglenest.model import DraftConfig, Eagle3Draft
+from eaglenest.train import configure_compile
+
+FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True}
+REF = {"attention": "sdpa", "compiled": False, "recompute": False, "fused_loss": False}
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def run(model, variant, ids, aux, targets, ttt, autocast):
+    for k, v in variant.items():
+        setattr(model, k, v)
+    model.zero_grad(set_to_none=True)
+    dev = ids.device.type
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+        loss, stats = model(ids, aux, targets, ttt_length=ttt, chunk=300)
+    loss.backward()  # as train_draft does, outside autocast
+    return loss.detach().float(), stats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def main():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    H, V, DV, B, T = 256, 1024, 512, 2, 256
+    cfg = DraftConfig(hidden_size=H, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      vocab_size=V, draft_vocab_size=DV, target_hidden_size=H)
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    for p in model.parameters():  # away from the init so that every weight matters
+        torch.nn.init.normal_(p, std=0.3 if p.dim() == 1 else 0.05)
+    model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
+    model.to(dev).train()
+    if dev == "cuda":
+        configure_compile(range(2))  # the step's graphs here: TTT 7 and TTT 10
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+    aux = torch.randn(B, T, 3 * H, generator=g).to(dev)
+    rows = torch.nonzero(torch.rand(B * T, generator=g) > 0.2).squeeze(1)
+    targets = {"rows": rows, "probs": torch.softmax(3 * torch.randn(len(rows), DV, generator=g), -1),
+               "argmax": torch.randint(0, DV, (len(rows),), generator=g), "in_draft": torch.rand(len(rows), generator=g) > 0.1}
+    targets = {k: v.to(dev) for k, v in targets.items()}
+    fast = FAST if dev == "cuda" else {**FAST, "compiled": False}
+    failures, report = [], []
+    from torch._dynamo.utils import counters
+
+    # bf16 autocast (what training runs) at TTT 7 and 10: two graphs to compile. The fast path is
+    # held to the reference path under the same autocast (tight) and to the fp32 reference (loose).
+    for ttt in (7, 10):
+        ref32 = run(model, REF, ids, aux, targets, ttt, autocast=False)
+        ref16 = run(model, REF, ids, aux, targets, ttt, autocast=True)
+        got = run(model, fast, ids, aux, targets, ttt, autocast=True)
+        r = {"ttt": ttt, "loss_ref_fp32": round(float(ref32[0]), 5), "loss_ref_bf16": round(float(ref16[0]), 5), "loss": round(float(got[0]), 5)}
+        ok = torch.isfinite(got[0]) and all(torch.isfinite(v).all() for v in got[2].values()) and set(got[2]) == set(ref16[2])
+        for name, ref, tol_loss, tol_grad in (("bf16", ref16, 1e-2, 5e-2), ("fp32", ref32, 2e-2, 1e-1)):
+            r[f"rel_loss_vs_{name}"] = rel(got[0], ref[0])
+            r[f"rel_stats_vs_{name}"] = rel(got[1], ref[1])
+            r[f"worst_rel_grad_vs_{name}"] = max((rel(got[2][n], ref[2][n]), n) for n in ref[2])
+            ok = ok and r[f"rel_loss_vs_{name}"] < tol_loss and r[f"rel_stats_vs_{name}"] < 5 * tol_loss
+            ok = ok and r[f"worst_rel_grad_vs_{name}"][0] < tol_grad
+        # for scale: the reference under bf16 against itself in fp32
+        r["ref_bf16_vs_fp32_worst_rel_grad"] = max(rel(ref16[2][n], ref32[2][n]) for n in ref32[2])
+        r["ok"] = bool(ok)
+        report.append(r)
+        print(json.dumps(r), flush=True)
+        if not ok:
+            failures.append(r)
+    graphs = counters["stats"]["unique_graphs"]
+    print(json.dumps({"dynamo_unique_graphs": graphs, "expected_at_most": 3 if dev == "cuda" else 0}), flush=True)
+    # expected: one TTT step graph per TTT length (not one per step) + the loss chunk's; a few more
+    # is a warning, one per step (>= 7) a failure
+    if dev == "cuda" and graphs >= 7:
+        failures.append({"graphs": graphs})
+    elif dev == "cuda" and graphs > 3:
+        print(f"WARNING: {graphs} graphs compiled, 3 expected", flush=True)
+    if failures:
+        print("GPU CHECK FAILED: " + json.dumps(failures, default=str), flush=True)
+        sys.exit(1)
+    print("GPU CHECK OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Hidden states through vLLM (``hidden.backend: vllm``): the extraction server and its client.
+
+The extraction server is the target served by vLLM a second time, with the ``extract_hidden_states``
+speculative method recording the draft's aux layers plus the final layer (vLLM id
+``num_hidden_layers``: the residual stream after the last layer, BEFORE the final norm), and a
+connector (``vllm_connector.py``) that writes each request's states to a file in a mode-0700
+directory. It is started and stopped by the same lifecycle code as the generation server
+(``server.py`` / ``slurm.py``), with the same model, parallelism, dtype, environment and NCCL
+variables (``hidden_server_config``).
+
+``extract_hidden_vllm`` sends each trace's exact ``prompt + completion`` token ids (cut at
+``hidden.max_length``: the same sequences as the transformers backend, ``hidden.shard_sequences``)
+to ``/v1/completions`` with ``max_tokens: 1``, ``hidden.concurrency`` requests in flight; reads the
+per-request file, refuses it unless its token ids are those sent (naming the trace id), applies the
+target's final RMSNorm to the final-layer state (the shard's ``last_hidden`` is post-norm, see
+``hidden.py``), writes the rows at their place in the shard and deletes the file. Memory is bounded
+by the requests in flight.
+
+Crash safety: the shard is written in place under ``<shard>.partial`` (its layout is fixed by pass 1),
+and each sequence whose rows are written is appended to ``<shard>.partial.done``. A rerun after
+``kill -9`` or a dead server reopens the partial when its header is the same (same traces, layers,
+settings), skips the finished sequences and sends only the rest; the shard is renamed into place once
+every sequence is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import glob
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .errors import DiskSpaceError, EaglenestError
+from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
+from .server import ServerConfig
+from .target import load_target_head
+from .util import progress_bar, say
+from .vllm_connector import read_states, remove_states
+from .vllm_format import extraction_layer_ids, extraction_server_args
+
+BACKEND = "vllm"
+RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
+
+
+class ExtractError(EaglenestError, RuntimeError):
+    """A failure the user can fix (server down, wrong server, a file that does not match)."""
+
+
+def layer_ids(info: dict) -> list[int]:
+    """The vLLM ids the extraction server records: the aux layers, then the final layer (pre-norm)."""
+    return extraction_layer_ids(info["aux_layers"], info["num_hidden_layers"])
+
+
+def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> ServerConfig:
+    """The extraction server: the generation server's settings plus extraction mode.
+
+    ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
+    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``).
+    A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
+    ``max_model_len``; only the prompt is run through the model (the generated token never is), so
+    going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+    cfg = ServerConfig.from_dict(server)
+    env = dict(cfg.env)
+    max_len = cfg.max_model_len
+    if max_len is not None and max_len <= hidden["max_length"]:
+        max_len = hidden["max_length"] + 1
+        env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    return dataclasses.replace(
+        cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
+        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
+
+
+def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,
+                        use_truncated=True, concurrency=64, request_timeout=3600.0, max_retries=3,
+                        api_key=None, progress=True) -> dict:
+    """Write one hidden-state shard from the extraction server at ``url`` (format: ``hidden.py``).
+
+    ``head_path``: ``target_head.safetensors`` (final-norm weight, aux layers, sizes); ``storage``:
+    the directory the server writes per-request files into (must be the one it was started with).
+    Refuses (``DiskSpaceError``) before sending anything when the disk is short. Raises
+    ``ExtractError`` when the server stops answering or returns states that do not match; the
+    finished rows are kept for the rerun. Returns counts, bytes and speed."""
+    if isinstance(trace_paths, (str, Path)):
+        trace_paths = [trace_paths]
+    t_start = time.time()
+    out_path, storage = Path(out_path), Path(storage).resolve()
+    head, info = load_target_head(head_path)
+    ids_wanted, hidden_size = layer_ids(info), int(info["hidden_size"])
+    aux_layers = ids_wanted[:-1]
+    norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
+
+    seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
+    specs, metadata, offsets = shard_layout(seqs, aux_layers=aux_layers, hidden_size=hidden_size,
+                                            target=info.get("target", model), max_length=max_length,
+                                            backend=BACKEND)
+    n_tokens = int(offsets[-1])
+    needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
+    longest = max(len(ids) for _, ids, _ in seqs)
+    # per-request files in flight: [T, layers, H] at up to 4 bytes each
+    staging = min(concurrency, len(seqs)) * longest * len(ids_wanted) * hidden_size * 4
+    partial = out_path.with_name(out_path.name + ".partial")
+    have = partial.stat().st_size if partial.is_file() else 0
+    say(f"extract_hidden (vLLM at {url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
+        f"about {needed / 2**30:.3f} GiB on disk (+{staging / 2**30:.3f} GiB of per-request files in {storage})")
+    _check_free_disk(out_path, storage, needed - have, staging)
+
+    writer = ShardWriter(out_path, specs, metadata, resume=True)
+    run = _Run(seqs=seqs, offsets=offsets, writer=writer, url=url.rstrip("/"), model=model, storage=storage,
+               ids_wanted=ids_wanted, hidden_size=hidden_size, norm=norm, concurrency=concurrency,
+               request_timeout=request_timeout, max_retries=max_retries, api_key=api_key, progress=progress,
+               shard=out_path.name.split(".")[0])
+    try:
+        run.open_journal()
+    except BaseException:
+        os.close(writer.fd)
+        raise
+    try:
+        writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
+        asyncio.run(run.main())
+    except BaseException:
+        os.close(writer.fd)  # the partial and its journal stay: the rerun resumes from them
+        run.close_journal()
+        run.remove_orphans()
+        raise
+    writer.finish()
+    run.close_journal(remove=True)
+    run.remove_orphans()  # files of requests a killed earlier run left in flight
+    seconds = time.time() - t_start
+    size = os.path.getsize(out_path)
+    stats = {**counts, "sequences": len(seqs), "tokens": n_tokens, "resumed": run.resumed,
+             "sent": run.sent, "tokens_sent": run.tokens_sent,
+             "loss_tokens": sum(len(ids) - n for _, ids, n in seqs), "bytes": size, "bytes_per_token": size / n_tokens,
+             "seconds": round(seconds, 2), "tokens_per_s": round(run.tokens_sent / seconds, 1),
+             "aux_layers": aux_layers, "backend": BACKEND}
+    resumed = f", {run.resumed} resumed" if run.resumed else ""
+    say(f"extract_hidden: {len(seqs)} sequences ({run.sent} sent{resumed}), {n_tokens} tokens in {seconds:.1f} s "
+        f"({stats['tokens_per_s']:.0f} tok/s sent), {size / 2**30:.3f} GiB written -> {out_path}")
+    return stats
+
+
+def _check_free_disk(out_path, storage, needed, staging):
+    """Refuse unless each filesystem has room for what goes there (summed where they are one)."""
+    wants = {}
+    for where, want in ((Path(out_path).resolve().parent, needed), (storage, staging)):
+        where.mkdir(parents=True, exist_ok=True)
+        dev = os.stat(where).st_dev
+        first, total = wants.get(dev, (where, 0))
+        wants[dev] = (first, total + max(0, want))
+    for where, want in wants.values():
+        free = shutil.disk_usage(where).free
+        if free < want:
+            raise DiskSpaceError(
+                f"not enough free disk for {out_path}: needs {want:,} bytes ({want / 2**30:.2f} GiB) in {where} "
+                f"(the shard and the per-request files of hidden.concurrency requests), {free:,} bytes "
+                f"({free / 2**30:.2f} GiB) free; free space, or lower hidden.max_length or hidden.concurrency")
+
+
+def final_norm(x, weight, eps):
+    """The target's final RMSNorm (Llama-style: ``weight * x / rms(x)``, computed in float32)."""
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class _Run:
+    def __init__(self, *, seqs, offsets, writer, url, model, storage, ids_wanted, hidden_size, norm, concurrency,
+                 request_timeout, max_retries, api_key, progress, shard):
+        self.seqs, self.offsets, self.writer = seqs, offsets, writer  # pass 1's sequences and layout
+        self.url, self.model, self.storage, self.api_key = url, model, storage, api_key
+        self.ids_wanted, self.hidden_size, self.norm = ids_wanted, hidden_size, norm
+        self.concurrency, self.request_timeout, self.max_retries = concurrency, request_timeout, max_retries
+        self.progress, self.shard = progress, shard
+        self.journal_path = writer.partial.with_name(writer.partial.name + ".done")
+        self.done, self.resumed, self.sent, self.tokens_sent = set(), 0, 0, 0
+        self.lock = threading.Lock()
+        self.prefix = f"eaglenest-{shard}-"
+
+    # -- the journal of finished sequences (one index per line, appended once its rows are written)
+
+    def open_journal(self):
+        fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ExtractError(f"{self.shard}: another process is extracting into {self.writer.partial}; "
+                               "wait for it to finish (or stop it) before rerunning this shard") from None
+        self.journal = os.fdopen(fd, "r+b")
+        keep = 0
+        if self.writer.resumed:  # a fresh partial makes any old journal meaningless
+            for line in self.journal:
+                if not line.endswith(b"\n"):
+                    break  # torn by kill -9: that sequence is sent again
+                k = int(line)
+                if 0 <= k < len(self.seqs):
+                    self.done.add(k)
+                keep += len(line)
+        self.journal.truncate(keep)
+        self.journal.seek(keep)
+        self.resumed = len(self.done)
+
+    def close_journal(self, remove=False):
+        j = getattr(self, "journal", None)
+        if j is not None and not j.closed:
+            j.close()
+        if remove:
+            self.journal_path.unlink(missing_ok=True)
+
+    def remove_orphans(self):
+        """Per-request files of this shard whose client is gone (this run's failure, an earlier kill)."""
+        for p in glob.glob(str(self.storage / (glob.escape(self.prefix) + "*"))) + \
+                glob.glob(str(self.storage / ("cmpl-" + glob.escape(self.prefix) + "*"))):
+            if p.endswith(".safetensors"):
+                remove_states(p)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    async def main(self):
+        import aiohttp
+
+        self.remove_orphans()
+        todo = [k for k in range(len(self.seqs)) if k not in self.done]
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=min(30.0, self.request_timeout))
+        self.pbar = progress_bar(total=int(self.offsets[-1]), initial=sum(len(self.seqs[k][1]) for k in self.done),
+                                 unit="tok", desc=f"extract {self.shard}", disable=not self.progress)
+        self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+        try:
+            async with aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                             connector=aiohttp.TCPConnector(limit=self.concurrency,
+                                                                            keepalive_timeout=4.0),
+                                             cookie_jar=aiohttp.DummyCookieJar()) as session:
+                queue = iter(todo)
+                workers = [asyncio.create_task(self._worker(session, queue))
+                           for _ in range(min(self.concurrency, len(todo)))]
+                try:
+                    done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+                finally:
+                    for w in workers:
+                        w.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
+                for w in done:
+                    if w.exception() is not None:
+                        raise w.exception()
+        finally:
+            self.pool.shutdown(wait=True)  # a row write in flight ends before the file is closed
+            self.pbar.close()
+
+    async def _worker(self, session, queue):
+        loop = asyncio.get_running_loop()
+        for k in queue:
+            path = await self._request(session, k)
+            await loop.run_in_executor(self.pool, self._store, k, path)
+
+    async def _request(self, session, k):
+        import aiohttp
+
+        rid, ids, _ = self.seqs[k]
+        body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0}
+        for attempt in range(self.max_retries + 1):
+            req_id = f"{self.prefix}{k}-{uuid.uuid4().hex[:8]}"
+            try:
+                async with session.post(self.url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": req_id}) as r:
+                    raw = await r.read()
+                    if r.status == 200:
+                        answer = await r.json(content_type=None)
+                        break
+                    what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
+                    if r.status not in RETRY_STATUSES:
+                        raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused trace "
+                                           f"{rid!r} ({len(ids)} tokens): {what}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                what = _describe(e)
+            if attempt == self.max_retries:
+                raise ExtractError(
+                    f"{self.shard}: the extraction server at {self.url} stopped answering ({what}) after "
+                    f"{self.sent} sequences sent by this run; {len(self.done)} of {len(self.seqs)} finished "
+                    f"sequences are kept in {self.writer.partial}; restart the server and rerun")
+            await asyncio.sleep(min(30.0, 2.0 ** attempt) * random.uniform(0.5, 1.0))
+        path = ((answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}).get("hidden_states_path")
+        if not path:
+            raise ExtractError(f"{self.shard}: the server at {self.url} answered trace {rid!r} without "
+                               "kv_transfer_params.hidden_states_path: it is not an extraction server "
+                               "(hidden.backend: vllm needs the one the workflow starts, see hidden_server.ready)")
+        path = Path(path).resolve()
+        if path.parent != self.storage:
+            raise ExtractError(f"{self.shard}: the server at {self.url} wrote trace {rid!r}'s states to {path}, "
+                               f"outside {self.storage}, the directory this workflow gave it; refusing to read it")
+        return path
+
+    def _store(self, k, path):
+        rid, ids, n_prompt = self.seqs[k]
+        try:
+            try:
+                data = read_states(path)
+            except FileNotFoundError:
+                raise ExtractError(f"{self.shard}: the extraction server at {self.url} answered trace {rid!r} "
+                                   f"but never wrote {path} (did it die?); {len(self.done)} finished sequences "
+                                   f"are kept in {self.writer.partial}; restart the server and rerun") from None
+            got = data["token_ids"]
+            if got.shape != (len(ids),) or not torch.equal(got.long(), torch.from_numpy(ids)):
+                raise ExtractError(
+                    f"{self.shard}: trace {rid!r}: the extraction server returned states for other tokens "
+                    f"than those sent ({len(ids)} sent, {got.numel()} returned, first difference at "
+                    f"{_first_difference(got, ids)}) in {path}; is prefix caching or chunked prefill on? "
+                    f"Restart the extraction server and rerun")
+            states = data["hidden_states"]  # [T, layers, H]
+            if tuple(states.shape) != (len(ids), len(self.ids_wanted), self.hidden_size):
+                raise ExtractError(
+                    f"{self.shard}: trace {rid!r}: {path} holds hidden_states {list(states.shape)}, expected "
+                    f"{[len(ids), len(self.ids_wanted), self.hidden_size]} (layers {self.ids_wanted}): the "
+                    f"server was started for other layers; stop it and rerun")
+        finally:
+            remove_states(path)
+        n = len(ids)
+        aux = states[:, :-1].reshape(n, -1).to(torch.bfloat16)
+        last = final_norm(states[:, -1], *self.norm).to(torch.bfloat16)
+        row, w = int(self.offsets[k]), self.writer
+        w.write_rows("aux_hidden", row, aux)
+        w.write_rows("last_hidden", row, last)
+        w.write_rows("input_ids", row, torch.from_numpy(ids))
+        w.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
+        with self.lock:  # after the rows: a kill between the two only sends this sequence again
+            self.journal.write(b"%d\n" % k)
+            self.journal.flush()
+            self.done.add(k)
+            self.sent += 1
+            self.tokens_sent += n
+            self.pbar.update(n)
+
+
+def _first_difference(got, ids):
+    got = got.tolist()
+    for i, (a, b) in enumerate(zip(got, ids.tolist())):
+        if a != b:
+            return f"position {i}: {a} returned, {b} sent"
+    return f"position {min(len(got), len(ids))} (lengths differ)"
+
+
+def _describe(e):
+    import aiohttp
+
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "connection refused" if isinstance(e.os_error, ConnectionRefusedError) else str(e.os_error)
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "server disconnected"
+    if isinstance(e, asyncio.TimeoutError):
+        return "no answer within hidden.request_timeout"
+    return str(e) or type(e).__name__

@@ -1,0 +1,82 @@
+"""The embedded default, run to the end as a user runs it: `snakemake --cores 2` (target `all`, the
+report included) with the repo's own config.yaml, in real vLLM on the toy target.
+
+Only what cannot be shared between machines is changed: paths are made absolute (the workflow runs in a
+temporary directory) and servers get free ports; training runs 3 training-time-test steps instead of
+7 (see TRAIN). Whatever else the default is (its hidden-state backend, its training) is what runs here.
+About 20 minutes on 2 cores: the slowest test of the suite.
+
+The report's facts are the product's promise: acceptance length at least 3.0 at k=3 in vLLM, above
+n-gram, within 10% of the offline prediction, and no finding against the export.
+A second test serves the same draft exported with a wrong aux-layer id and with the opposite
+norm_before_residual: the check of the export against training names both, and vLLM's acceptance
+of the wrong draft falls well below the trained one's.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, server_gone
+
+pytestmark = pytest.mark.vllm
+
+
+def test_default_workflow_report_meets_the_promise(default_run):
+    wd, cfg, report = default_run
+    k = report["num_speculative_tokens"]
+    eagle, ngram, offline = (report[key]["acceptance_length"] for key in ("eagle3", "ngram", "offline"))
+    summary = f"k={k}: vLLM EAGLE-3 {eagle:.3f}, n-gram {ngram:.3f}, offline {offline:.3f}; report {wd}/reports"
+    assert k == 3, summary
+    assert eagle >= 3.0, summary
+    assert eagle > ngram, summary
+    assert eagle == pytest.approx(offline, rel=0.10), summary
+    assert report["checks"].get("export_vs_training") == [], report["checks"]
+    assert (wd / "reports/validation.html").read_text().count("<svg") >= 1
+    # Every server the workflow started (generation, validation) is gone: no process, a free port.
+    server_gone(cfg["server"]["port"])
+    assert not (wd / "server.ready").exists()
+
+
+def _wrong_export(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
+    """A draft whose config.json disagrees with its training is named by the export check, and vLLM
+    (which believes the config) accepts it far less often than the draft as trained."""
+    from eaglenest.report import export_differences
+    from eaglenest.server import ServerConfig
+    from eaglenest.validate import measure_run, read_prompts, request_settings
+    from eaglenest.vllm_format import speculative_config
+
+    wd, cfg, report = default_run
+    good = wd / "draft/checkpoint"
+    trained = json.loads((good / "config.json").read_text())
+    ids = trained["eagle_aux_hidden_state_layer_ids"]
+    # One layer up (4 of the toy's 4: the final output, which vLLM captures too), so vLLM still loads it.
+    wrong_ids = _wrong_export(good, tmp_path / "ids", eagle_aux_hidden_state_layer_ids=[*ids[:-1], ids[-1] + 1])
+    wrong_norm = _wrong_export(good, tmp_path / "norm", norm_before_residual=not trained["norm_before_residual"])
+
+    checkpoint = wd / "draft/checkpoint.safetensors"
+    assert export_differences(good, checkpoint) == []
+    assert any("aux layer ids" in d for d in export_differences(wrong_ids, checkpoint))
+    assert any("norm_before_residual" in d for d in export_differences(wrong_norm, checkpoint))
+
+    # vLLM's own verdict on the wrong ids, on the held-out prompts the report used.
+    k = report["num_speculative_tokens"]
+    server = ServerConfig.from_dict({**cfg["server"], "port": free_port()})
+    prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
+    run = measure_run("wrong_ids", server, speculative_config("eagle3", k, wrong_ids), prompts,
+                      request_settings(cfg["generation"]["max_tokens"]), log_dir=tmp_path / "logs",
+                      concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
+    # Measured on the toy: 3.53 as trained, 2.98 with the top layer one up (adjacent layers look alike).
+    good_length = report["eagle3"]["acceptance_length"]
+    assert run["acceptance_length"] < 0.92 * good_length, (run["acceptance_length"], good_length)
+    server_gone(server.port)

@@ -1,0 +1,138 @@
+"""The vLLM-backend client against a stub extraction server, for faults real vLLM cannot be made to
+produce on demand: a per-request file whose token ids differ from those sent, a path outside the
+directory the workflow gave the server. The stub is no model: it answers like vLLM 0.32's
+``/v1/completions`` with ``kv_transfer_params.hidden_states_path`` and writes a crafted file there
+(random states). The agreement with real states is tested against real vLLM in test_extract_vllm.py."""
+import asyncio
+import json
+import shutil
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+from aiohttp import web
+from safetensors.torch import save_file
+
+from conftest import TOY_TARGET, free_port
+from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, layer_ids
+from eaglenest.errors import DiskSpaceError
+from eaglenest.target import save_target_head
+from eaglenest.vllm_connector import storage_dir
+from eaglenest.vllm_format import extraction_server_args, extraction_speculative_config
+
+
+class StubExtractionServer:
+    """Writes ``hidden_states [T, layers, H]`` and ``token_ids`` per request, like the connector;
+    ``corrupt(ids) -> ids`` may change the token ids it writes; ``outside`` writes elsewhere."""
+
+    def __init__(self, storage, layers, hidden, corrupt=None, outside=None):
+        self.storage, self.layers, self.hidden = storage, layers, hidden
+        self.corrupt, self.outside, self.requests = corrupt, outside, 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def completions(self, request):
+        body = await request.json()
+        self.requests += 1
+        ids = list(body["prompt"])
+        rid = request.headers.get("X-Request-Id", "x")
+        path = (self.outside or self.storage) / f"cmpl-{rid}-0.safetensors"
+        written = self.corrupt(ids) if self.corrupt else ids
+        save_file({"hidden_states": torch.randn(len(written), self.layers, self.hidden),
+                   "token_ids": torch.tensor(written)}, str(path))
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": str(path)}})
+
+    def __enter__(self):
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    path = tmp_path_factory.mktemp("head") / "target_head.safetensors"
+    return path, save_target_head(str(TOY_TARGET), path, aux_layers=[1, 2, 3])
+
+
+def _traces(path, n=6):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"t{i}", "prompt_token_ids": [5, 6, 7 + i], "completion_token_ids": [8, 9, 10]}) + "\n")
+    return path
+
+
+def _run(tmp_path, head, stub, **kw):
+    return extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors", url=stub.url,
+                               model="toy", head_path=head[0], storage=stub.storage, max_length=64, concurrency=2,
+                               max_retries=0, progress=False, **kw)
+
+
+def test_token_ids_that_differ_from_those_sent_are_refused_with_the_trace_id(tmp_path, head):
+    storage = storage_dir(tmp_path / "states")
+
+    def corrupt(ids):
+        return ids[:-1] + [ids[-1] + 1] if ids[2] == 10 else ids  # the trace t3 only
+
+    with StubExtractionServer(storage, 4, 128, corrupt=corrupt) as stub:
+        with pytest.raises(ExtractError, match=r"trace 't3'.*other tokens than those sent.*position 5"):
+            _run(tmp_path, head, stub)
+    assert not (tmp_path / "shard_0.safetensors").exists()
+    assert list(storage.iterdir()) == [], "the refused file and the others are removed"
+
+
+def test_matching_files_pack_into_a_complete_shard(tmp_path, head):
+    storage = storage_dir(tmp_path / "states")
+    with StubExtractionServer(storage, 4, 128) as stub:
+        stats = _run(tmp_path, head, stub)
+    assert stats["sequences"] == stats["sent"] == stub.requests == 6 and stats["tokens"] == 36
+    assert (tmp_path / "shard_0.safetensors").exists() and list(storage.iterdir()) == []
+    assert storage.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_file_outside_the_given_directory_is_not_read(tmp_path, head):
+    storage, elsewhere = storage_dir(tmp_path / "states"), storage_dir(tmp_path / "elsewhere")
+    with StubExtractionServer(storage, 4, 128, outside=elsewhere) as stub:
+        with pytest.raises(ExtractError, match="outside"):
+            _run(tmp_path, head, stub)
+
+
+def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypatch):
+    storage = storage_dir(tmp_path / "states")
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
+    with StubExtractionServer(storage, 4, 128) as stub:
+        with pytest.raises(DiskSpaceError, match="hidden.concurrency"):
+            _run(tmp_path, head, stub)
+        assert stub.requests == 0
+
+
+def test_server_args_ask_for_aux_plus_final_layer_and_drop_contradicting_flags(head):
+    info = head[1]
+    assert layer_ids(info) == [1, 2, 3, 4]
+    args = extraction_server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
+                                               "--speculative-config", "{}", "--enable-chunked-prefill"])
+    assert args[0] == "--trust-remote-code" and args.count("--speculative-config") == 1
+    assert json.loads(args[args.index("--speculative-config") + 1]) == extraction_speculative_config([1, 2, 3, 4])
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/x"}  # never allow_custom_save_path
+    assert args[-2:] == ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]

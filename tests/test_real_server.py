@@ -1,0 +1,126 @@
+"""The workflow and the trace client against real vLLM servers this test started itself: external mode
+(the workflow uses the server and never stops it), two replicas sharing one shard, and a real HTTP 400
+(a prompt longer than the toy's max_model_len) counted in the errors file, with the error-fraction gate
+failing the shard with a message that says what to do.
+
+One server (module-scoped) serves every test here; the replica test starts a second one for itself."""
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TOY_TARGET, free_port, run_snakemake, server_gone, write_config
+from eaglenest.errors import TracesError
+from eaglenest.server import LocalPaths, ServerConfig, alive, is_serving, start_local, stop_local, wait_ready
+from eaglenest.traces import generate_shard
+
+pytestmark = pytest.mark.vllm
+MAX_MODEL_LEN = 512
+GENERATION = {"max_tokens": 64, "concurrency": 8, "request_timeout": 120, "max_retries": 1}
+# The toy's character vocabulary holds these symbols; 40 repeats are ~800 tokens, past max_model_len.
+LONG = "What is 123 + 456? " * 40
+
+
+def _start(log_dir: Path) -> tuple[ServerConfig, dict]:
+    cfg = ServerConfig.from_dict({"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy",
+                                  "port": free_port(), "max_model_len": MAX_MODEL_LEN,
+                                  "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1,
+                                  "dtype": "float32", "poll_interval": 1, "ready_timeout": 600})
+    paths = LocalPaths(log_dir)
+    record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
+    try:
+        wait_ready(cfg, paths, log=print)
+    except BaseException:
+        stop_local(paths)
+        raise
+    return cfg, record
+
+
+@pytest.fixture(scope="module")
+def users_server(tmp_path_factory):
+    """A vLLM the test started, as a user's systemd service or hand-started server would be."""
+    log_dir = tmp_path_factory.mktemp("users_server")
+    cfg, record = _start(log_dir)
+    yield cfg, record
+    stop_local(LocalPaths(log_dir))
+    server_gone(cfg.port, pgids=[record["pgid"]])
+
+
+def _prompts(path: Path, n: int, long_every: int = 0) -> Path:
+    lines = []
+    for i in range(n):
+        text = LONG if long_every and i % long_every == long_every - 1 else f"What is {100 + i} + {200 + i}?"
+        lines.append(json.dumps({"id": f"p{i:03d}", "source": "test", "messages": [{"role": "user", "content": text}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _lines(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_external_mode_uses_the_users_server_and_never_stops_it(users_server, tmp_path):
+    cfg, record = users_server
+    wd = tmp_path / "external"
+    write_config(wd, dataset={"limit": 24, "heldout": 4},
+                 server={"mode": "external", "urls": [cfg.local_url], "port": cfg.port})
+    run_snakemake(wd, "server.stopped")
+    records = [r for i in range(2) for r in _lines(wd / f"traces/shard_{i}.jsonl")]
+    prompts = [r for i in range(2) for r in _lines(wd / f"data/prompts/shard_{i}.jsonl")]
+    assert len(records) == len(prompts) > 0 and {r["server"] for r in records} == {cfg.local_url}
+    assert not (wd / "logs/server/vllm.pid.json").exists(), "external mode starts no server of its own"
+    # The workflow finished (onsuccess ran, stop_server ran): the user's server is untouched.
+    assert alive(record["pid"]) and is_serving(cfg.local_url, "toy")
+
+
+def test_a_real_400_is_counted_in_the_errors_file(users_server, tmp_path):
+    cfg, _ = users_server
+    prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=6)  # 2 of 12 too long
+    out = tmp_path / "traces/shard_0.jsonl"
+    stats = generate_shard(prompts, out, urls=[cfg.local_url], model="toy", progress=False,
+                           generation={**GENERATION, "max_error_fraction": 0.2})
+    assert stats["errors"] == 2 and stats["retries"] == 0 and stats["completed"] == 10, stats
+    errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
+    assert sorted(e["id"] for e in errors) == ["p005", "p011"]
+    for e in errors:
+        assert e["status"] == 400 and e["server"] == cfg.local_url, e
+        assert str(MAX_MODEL_LEN) in e["body"], e  # vLLM names the limit it enforced
+    assert len(_lines(out)) == 10
+
+
+def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(users_server, tmp_path):
+    cfg, _ = users_server
+    prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=3)  # 4 of 12 too long
+    out = tmp_path / "traces/shard_0.jsonl"
+    with pytest.raises(TracesError) as e:
+        generate_shard(prompts, out, urls=[cfg.local_url], model="toy", progress=False,
+                       generation={**GENERATION, "concurrency": 1, "max_error_fraction": 0.1})
+    msg = str(e.value)
+    assert "shard_0" in msg and "HTTP 400" in msg and "more than 10%" in msg, msg
+    assert str(tmp_path / "traces/shard_0.errors.jsonl") in msg and "rerun" in msg, msg
+    assert not out.exists()
+    errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
+    assert errors and all(e["status"] == 400 for e in errors)
+
+
+def test_two_real_replicas_share_a_shard(users_server, tmp_path):
+    cfg, _ = users_server
+    second, record = _start(tmp_path / "replica")
+    try:
+        prompts = _prompts(tmp_path / "prompts.jsonl", 40)
+        out = tmp_path / "traces/shard_0.jsonl"
+        stats = generate_shard(prompts, out, urls=[cfg.local_url, second.local_url], model="toy", progress=False,
+                               generation=GENERATION)
+        records = _lines(out)
+        assert len(records) == 40 and stats["errors"] == 0
+        served = {url: sum(r["server"] == url for r in records) for url in (cfg.local_url, second.local_url)}
+        assert all(n >= 5 for n in served.values()), served  # both replicas answered a real share
+        # Greedy answers do not depend on the replica that gave them.
+        alone = generate_shard(prompts, tmp_path / "alone/shard_0.jsonl", urls=[cfg.local_url], model="toy",
+                               progress=False, generation=GENERATION)
+        assert alone["errors"] == 0
+        assert [r["completion_token_ids"] for r in records] == \
+               [r["completion_token_ids"] for r in _lines(tmp_path / "alone/shard_0.jsonl")]
+    finally:
+        stop_local(LocalPaths(tmp_path / "replica"))
+    server_gone(second.port, pgids=[record["pgid"]])
