@@ -42,7 +42,7 @@ import torch
 
 from .errors import DiskSpaceError, EaglenestError
 from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
-from .server import ServerConfig
+from .server import ServerConfig, key_hint
 from .target import load_target_head
 from .util import progress_bar, say
 from .vllm_connector import read_states, remove_states
@@ -278,6 +278,9 @@ class _Run:
                         answer = await r.json(content_type=None)
                         break
                     what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
+                    if r.status in (401, 403):
+                        raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused the "
+                                           f"request ({what}): {key_hint(self.api_key)}")
                     if r.status not in RETRY_STATUSES:
                         raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused trace "
                                            f"{rid!r} ({len(ids)} tokens): {what}")

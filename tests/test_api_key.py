@@ -25,10 +25,10 @@ SMALL = {"dataset": {"path": str(TOY_PROMPTS), "limit": 8, "heldout": 2}, "shard
          "generation": {"max_tokens": 16, "concurrency": 4, "request_timeout": 300, "max_retries": 1}}
 
 
-def _start(wd: Path, server: dict) -> dict:
-    """Run the workflow up to one trace shard; the server it starts stays up (keep_server)."""
+def _start(wd: Path, server: dict, targets=("traces/shard_0.jsonl",)) -> dict:
+    """Run the workflow up to `targets`; the server it starts stays up (keep_server)."""
     cfg = write_config(wd, **SMALL, server={**server, "keep_server": True})
-    out = run_snakemake(wd, "traces/shard_0.jsonl", "--notemp", timeout=800)
+    out = run_snakemake(wd, *targets, "--notemp", timeout=800)
     key = (wd / RUN_KEY_FILE).read_text().strip()
     ready = json.loads((wd / "server.ready").read_text())
     assert ready["version"] and ready["model"] == "toy", ready  # a real vLLM served the toy target
@@ -131,7 +131,7 @@ def test_slurm_server_key_is_in_no_command_line_job_script_sentinel_or_log(slurm
 @pytest.fixture(scope="module")
 def local_server(tmp_path_factory):
     wd = tmp_path_factory.mktemp("local_key")
-    s = _start(wd, {"mode": "local", "host": "0.0.0.0"})
+    s = _start(wd, {"mode": "local", "host": "0.0.0.0"}, targets=("traces/shard_0.jsonl", "traces/shard_1.jsonl"))
     yield s
     stop_server(ServerConfig.from_dict({**s["cfg"].__dict__, "keep_server": False}), wd / "logs/server")
 
@@ -145,3 +145,54 @@ def test_local_server_key_is_in_no_command_line_sentinel_or_log(local_server):
     record = read_pidfile(LocalPaths(local_server["wd"] / "logs/server"))
     assert record and _vllm_cmdline(local_server["cfg"].port) == " ".join(record["command"])
     _check_key_is_private(local_server, [json.dumps(record)])
+
+
+# ------------------------------------------------ the extraction server (hidden.backend: vllm), local
+
+
+@pytest.fixture(scope="module")
+def extraction_server(local_server):
+    """The same run goes on to extract one shard: the generation server is stopped first (one vLLM at
+    a time here); the extraction server the workflow starts then stays up (keep_server)."""
+    wd, cfg = local_server["wd"], local_server["cfg"]
+    stop_server(ServerConfig.from_dict({**cfg.__dict__, "keep_server": False}), wd / "logs/server")
+    out = run_snakemake(wd, "hidden/shard_0.safetensors", "--notemp", timeout=800)
+    ready = json.loads((wd / "hidden_server.ready").read_text())
+    record = read_pidfile(LocalPaths(wd / "logs/hidden_server"))
+    yield {**local_server, "ready": ready, "url": ready["urls"][0], "record": record,
+           "run_output": local_server["run_output"] + out.stdout + out.stderr}
+    stop_server(ServerConfig.from_dict({**cfg.__dict__, "keep_server": False}), wd / "logs/hidden_server")
+
+
+def test_extraction_server_refuses_strangers_and_keeps_the_key_private(extraction_server):
+    s = extraction_server
+    assert (s["wd"] / "hidden/shard_0.safetensors").exists()  # the workflow's client was served
+    port = s["record"]["port"]
+    assert port != s["cfg"].port and "--host 0.0.0.0" in _vllm_cmdline(port)
+    assert _get_status(s["url"], None) == 401 and _get_status(s["url"], s["key"]) == 200
+    assert _get_status(s["url"], None, "/invocations", {"model": "toy", "prompt": [1, 2], "max_tokens": 1}) == 401
+    texts = {"vLLM's command line": _vllm_cmdline(port), "hidden_server.ready": (s["wd"] / "hidden_server.ready").read_text(),
+             "snakemake's output": s["run_output"]}
+    for f in _files_under(s["wd"] / "logs") + _files_under(s["wd"] / ".snakemake" / "log"):
+        texts[str(f)] = f.read_text(errors="replace")
+    leaks = [where for where, text in texts.items() if s["key"] in text]
+    assert not leaks, f"the API key appears in {leaks}"
+
+
+def test_extraction_states_are_private_and_a_client_cannot_choose_where_they_go(extraction_server, tmp_path):
+    s = extraction_server
+    states = Path(s["ready"]["states_dir"])
+    assert states.is_dir() and stat.S_IMODE(states.stat().st_mode) == 0o700
+    elsewhere = tmp_path / "chosen_by_the_client.safetensors"
+    body = {"model": "toy", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"hidden_states_path": str(elsewhere)}}
+    req = urllib.request.Request(f"{s['url']}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {s['key']}", "Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    written = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    try:
+        assert not elsewhere.exists() and written.parent == states.resolve()
+    finally:
+        for p in (written, Path(f"{written}.lock")):
+            p.unlink(missing_ok=True)
