@@ -13,11 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import TOY_PROMPTS, run_snakemake, write_config
 from eaglenest.server import RUN_KEY_FILE, ServerConfig, ServerError, probe, read_pidfile, LocalPaths, stop_server
 from eaglenest.slurm import read_record, SlurmPaths
-from test_slurm import _run, _scontrol_job, cluster  # noqa: F401  (the fixture)
+from test_slurm import _run, _scontrol_job, cluster_up  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -35,6 +36,12 @@ def _start(wd: Path, server: dict, targets=("traces/shard_0.jsonl",)) -> dict:
     print(f"server ready: {ready}")
     return {"wd": wd, "cfg": ServerConfig.from_dict(cfg["server"]), "key": key, "ready": ready,
             "url": ready["urls"][0], "run_output": out.stdout + out.stderr}
+
+
+def _stop(wd: Path, log_dir: str) -> None:
+    """Stop what the run in `wd` left up in `log_dir` (its config asked to keep it)."""
+    cfg = yaml.safe_load((wd / "config.yaml").read_text())["server"]
+    stop_server(ServerConfig.from_dict({**cfg, "keep_server": False}), wd / log_dir)
 
 
 def _vllm_cmdline(port: int) -> str:
@@ -99,13 +106,14 @@ def _check_key_is_private(s, also: list[str]):
 
 
 @pytest.fixture(scope="module")
-def slurm_server(tmp_path_factory, cluster):  # noqa: F811
+def slurm_server(tmp_path_factory, cluster_up):  # noqa: F811
     wd = tmp_path_factory.mktemp("slurm_key")
-    cluster.append("eaglenest-server-")
-    s = _start(wd, {"mode": "slurm", "slurm": {"cpus": 1, "mem": "4G", "gpus": 0, "time": "20:00"}})
-    s["job_id"] = read_record(SlurmPaths(wd / "logs/server"))["job_id"]
-    yield s
-    stop_server(ServerConfig.from_dict({**s["cfg"].__dict__, "keep_server": False}), wd / "logs/server")
+    try:
+        s = _start(wd, {"mode": "slurm", "slurm": {"cpus": 1, "mem": "4G", "gpus": 0, "time": "20:00"}})
+        s["job_id"] = read_record(SlurmPaths(wd / "logs/server"))["job_id"]
+        yield s
+    finally:  # the server job never outlives the module, passed or failed
+        _stop(wd, "logs/server")
 
 
 @pytest.mark.slurm
@@ -131,9 +139,10 @@ def test_slurm_server_key_is_in_no_command_line_job_script_sentinel_or_log(slurm
 @pytest.fixture(scope="module")
 def local_server(tmp_path_factory):
     wd = tmp_path_factory.mktemp("local_key")
-    s = _start(wd, {"mode": "local", "host": "0.0.0.0"}, targets=("traces/shard_0.jsonl", "traces/shard_1.jsonl"))
-    yield s
-    stop_server(ServerConfig.from_dict({**s["cfg"].__dict__, "keep_server": False}), wd / "logs/server")
+    try:
+        yield _start(wd, {"mode": "local", "host": "0.0.0.0"}, targets=("traces/shard_0.jsonl", "traces/shard_1.jsonl"))
+    finally:
+        _stop(wd, "logs/server")
 
 
 def test_local_server_on_every_interface_refuses_a_request_without_the_key(local_server):
@@ -154,14 +163,16 @@ def test_local_server_key_is_in_no_command_line_sentinel_or_log(local_server):
 def extraction_server(local_server):
     """The same run goes on to extract one shard: the generation server is stopped first (one vLLM at
     a time here); the extraction server the workflow starts then stays up (keep_server)."""
-    wd, cfg = local_server["wd"], local_server["cfg"]
-    stop_server(ServerConfig.from_dict({**cfg.__dict__, "keep_server": False}), wd / "logs/server")
-    out = run_snakemake(wd, "hidden/shard_0.safetensors", "--notemp", timeout=800)
-    ready = json.loads((wd / "hidden_server.ready").read_text())
-    record = read_pidfile(LocalPaths(wd / "logs/hidden_server"))
-    yield {**local_server, "ready": ready, "url": ready["urls"][0], "record": record,
-           "run_output": local_server["run_output"] + out.stdout + out.stderr}
-    stop_server(ServerConfig.from_dict({**cfg.__dict__, "keep_server": False}), wd / "logs/hidden_server")
+    wd = local_server["wd"]
+    _stop(wd, "logs/server")
+    try:
+        out = run_snakemake(wd, "hidden/shard_0.safetensors", "--notemp", timeout=800)
+        ready = json.loads((wd / "hidden_server.ready").read_text())
+        record = read_pidfile(LocalPaths(wd / "logs/hidden_server"))
+        yield {**local_server, "ready": ready, "url": ready["urls"][0], "record": record,
+               "run_output": local_server["run_output"] + out.stdout + out.stderr}
+    finally:
+        _stop(wd, "logs/hidden_server")
 
 
 def test_extraction_server_refuses_strangers_and_keeps_the_key_private(extraction_server):
