@@ -282,7 +282,8 @@ def test_profile_sends_rules_through_slurm(tmp_path, cluster):
 
 
 @pytest.mark.vllm
-def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster):
+def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a SLURM server requires a key: the run's own is made in the working directory
     cfg = ServerConfig(mode="slurm", model=str(TOY_TARGET), served_model_name="toy", port=free_port(),
                        max_model_len=512, reasoning_parser="deepseek_r1", poll_interval=2, ready_timeout=240,
                        # vLLM's CPU backend reserves this share of the NUMA node's memory (default 0.92)
