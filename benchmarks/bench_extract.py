@@ -49,7 +49,7 @@ def write_traces(path, n, length, vocab, seed=0):
 def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, iters=6):
     """Tokens/s of the forward extraction runs (decoder, aux capture, concatenation), outputs kept on
     the device: the rate extraction would reach if copies and writes cost nothing."""
-    from eaglenest.hidden import _AuxCapture, _decoder
+    from eaglenest.target import AuxCapture as _AuxCapture, decoder_of as _decoder
 
     decoder = _decoder(model)
     B = max(1, min(seqs, batch_tokens // length))  # extraction's batch shape

@@ -42,7 +42,8 @@ def make_data(root, size, seqs, seq, dev):
     """Shard + target head + vocabulary of a random 4-layer target of ``size``'s widths."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.hidden import extract_hidden, save_target_head
+    from eaglenest.hidden import extract_hidden
+    from eaglenest.target import save_target_head
     from eaglenest.vocab import build_vocab
 
     H, I, nh, nkv, V = SIZES[size]

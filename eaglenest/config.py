@@ -11,7 +11,6 @@ import functools
 from dataclasses import field
 from pathlib import Path
 
-import jsonschema
 import yaml
 
 from .errors import ConfigError
@@ -56,7 +55,7 @@ def _fill_defaults(schema: dict, value):
     return value
 
 
-def _key_path(error: jsonschema.ValidationError) -> str:
+def _key_path(error) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
 
@@ -64,6 +63,8 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
     """Return a copy of `config` with defaults filled in; raise ConfigError naming every bad key."""
     schema = schema or load_schema()
     config = _fill_defaults(schema, copy.deepcopy(config or {}))
+    import jsonschema  # only where a config is validated: the library's defaults need just the schema file
+
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:

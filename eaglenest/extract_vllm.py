@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import glob
 import os
 import random
@@ -44,7 +43,7 @@ from .errors import DiskSpaceError, EaglenestError
 from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
 from .server import ServerConfig, key_hint
 from .target import load_target_head
-from .util import progress_bar, say
+from .util import open_locked, progress_bar, say
 from .vllm_connector import read_states, remove_states
 from .vllm_format import extraction_layer_ids, extraction_server_args
 
@@ -187,13 +186,9 @@ class _Run:
     # -- the journal of finished sequences (one index per line, appended once its rows are written)
 
     def open_journal(self):
-        fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ExtractError(f"{self.shard}: another process is extracting into {self.writer.partial}; "
-                               "wait for it to finish (or stop it) before rerunning this shard") from None
+        fd = open_locked(self.journal_path, ExtractError(
+            f"{self.shard}: another process is extracting into {self.writer.partial}; "
+            "wait for it to finish (or stop it) before rerunning this shard"))
         self.journal = os.fdopen(fd, "r+b")
         keep = 0
         if self.writer.resumed:  # a fresh partial makes any old journal meaningless

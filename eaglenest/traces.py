@@ -18,7 +18,6 @@ link to it, so a forced rerun of a finished shard (Snakemake reruns every consum
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import json
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 from .config import defaults
 from .errors import ServerError, TracesError
 from .server import key_hint, probe
-from .util import progress_bar, say, write_atomic
+from .util import open_locked, progress_bar, say, write_atomic
 from .vllm_format import reasoning_of
 
 import aiohttp
@@ -501,13 +500,9 @@ class _ShardRun:
     def _open_partial(self):
         """Open (and lock) the partial file, drop a torn last line, index the finished records."""
         self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.partial_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise TracesError(f"{self.shard}: another process is writing {self.partial_path}; "
-                              "wait for it to finish (or stop it) before rerunning this shard") from None
+        fd = open_locked(self.partial_path, TracesError(
+            f"{self.shard}: another process is writing {self.partial_path}; "
+            "wait for it to finish (or stop it) before rerunning this shard"))
         f = os.fdopen(fd, "r+b")
         wanted = {p["id"] for p in self.prompts}
         offset = bad = 0

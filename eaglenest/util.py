@@ -58,6 +58,21 @@ def write_atomic(path: str | Path, data, *, indent: int | None = 2) -> None:
         tmp.write_bytes(data)
 
 
+def open_locked(path: str | Path, busy_error: Exception) -> int:
+    """Open (creating) ``path`` read-write and take its exclusive flock without waiting; raises
+    ``busy_error`` when another process holds it. The kernel drops the lock when the holder exits
+    (kill -9 included), so a crashed run never blocks the next one."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise busy_error from None
+    return fd
+
+
 def save_safetensors(tensors, path, metadata=None) -> None:
     """Write a safetensors file atomically, readable by all (safetensors itself creates files 0600)."""
     from safetensors.torch import save_file

@@ -79,7 +79,8 @@ def test_killed_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
     assert [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in ra] == [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in rb]
 
 
-def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
+def interrupted_after_first_save(data, out, monkeypatch):
+    """Train in ``out`` until its first resumable state is saved, then stop there."""
     save = train._save_state
 
     def save_then_die(state_dir, step, state, keep):
@@ -88,8 +89,12 @@ def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "_save_state", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        run(data, tmp_path)
+        run(data, out)
     monkeypatch.setattr(train, "_save_state", save)
+
+
+def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
+    interrupted_after_first_save(data, tmp_path, monkeypatch)
     assert run(data, tmp_path, {**CONFIG, "seed": 4})["resumed_from"] is None
 
 
@@ -98,16 +103,7 @@ def test_state_saved_for_a_shard_whose_content_changed_is_ignored(data, tmp_path
     import shutil
     copy = dict(data, hidden_paths=[tmp_path / "shard_0.safetensors"])
     shutil.copy(data["hidden_paths"][0], copy["hidden_paths"][0])
-    save = train._save_state
-
-    def save_then_die(state_dir, step, state, keep):
-        save(state_dir, step, state, keep)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(train, "_save_state", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        run(copy, tmp_path / "out")
-    monkeypatch.setattr(train, "_save_state", save)
+    interrupted_after_first_save(copy, tmp_path / "out", monkeypatch)
     path = copy["hidden_paths"][0]
     size = path.stat().st_size
     _flip_signs_in_place(path)
