@@ -21,7 +21,8 @@ import pytest
 
 from conftest import free_port, server_gone
 
-pytestmark = pytest.mark.vllm
+# The first test to use the session-wide default run pays for it (about 15-30 min on 2 cores).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 
 def test_default_workflow_report_meets_the_promise(default_run):

@@ -202,6 +202,7 @@ def validated(default_run):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(3600)  # the session-wide default run, when these run first
 def test_both_formats_are_written_with_a_smaller_draft_vocabulary(validated):
     wd, report, _ = validated
     for fmt in ("checkpoint", "speculators"):
@@ -215,6 +216,7 @@ def test_both_formats_are_written_with_a_smaller_draft_vocabulary(validated):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(3600)  # the session-wide default run, when these run first
 def test_both_formats_agree_in_vllm(validated):
     """Real vLLM serves each format with speculative decoding; greedy, the same weights give the same acceptance."""
     wd, report, _ = validated
@@ -229,6 +231,7 @@ def test_both_formats_agree_in_vllm(validated):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(3600)  # the session-wide default run, when these run first
 def test_vllm_reads_d2t(validated):
     """vLLM stays within 10% of the offline prediction with the right d2t, and falls clearly below
     it with d2t shifted by one: the check catches a mapping vLLM would read wrongly."""
