@@ -32,6 +32,8 @@ if VLLM_HIDDEN:
             hidden=config["hidden"],
             log_dir=HIDDEN_SERVER_LOG_DIR,
             states_dir=HIDDEN_STATES_DIR,
+        conda:
+            "../envs/eaglenest.yaml"
         log:
             "logs/hidden_server_ready.log",
         script:
@@ -71,6 +73,8 @@ if VLLM_HIDDEN:
         params:
             server=config["server"],
             log_dir=HIDDEN_SERVER_LOG_DIR,
+        conda:
+            "../envs/eaglenest.yaml"
         log:
             "logs/stop_hidden_server.log",
         script:
