@@ -14,7 +14,6 @@ by an outer claim) the assignment is used as it is and nothing is locked. On a m
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
@@ -22,17 +21,32 @@ import time
 from pathlib import Path
 
 from .errors import GpuError
+from .util import open_locked
+
+
+def nvidia_smi(query: str) -> list[list[str]]:
+    """Rows of ``nvidia-smi <query>`` as lists of fields; [] on a machine without NVIDIA GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return []
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
 def physical_gpus() -> list[int]:
-    """Indices of this machine's NVIDIA GPUs (``nvidia-smi``), [] without one."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        return []
-    return [int(line) for line in out.stdout.split() if line.strip().isdigit()]
+    """Indices of this machine's NVIDIA GPUs, [] without one."""
+    return [int(row[0]) for row in nvidia_smi("--query-gpu=index") if row[0].isdigit()]
+
+
+def visible_devices(value: str | None) -> list[int]:
+    """The device indices a ``CUDA_VISIBLE_DEVICES`` value names."""
+    return [int(d) for d in (value or "").split(",") if d.strip().isdigit()]
+
+
+class _Busy(Exception):
+    """Another job holds this GPU's lock."""
 
 
 def lock_dir() -> Path:
@@ -53,7 +67,7 @@ def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None =
     if n <= 0 or preset is not None:
         if n > 0:
             log(f"GPUs: using the assigned CUDA_VISIBLE_DEVICES={preset}")
-        yield [int(d) for d in (preset or "").split(",") if d.strip().isdigit()]
+        yield visible_devices(preset)
         return
     devices = physical_gpus() if devices is None else list(devices)
     if not devices:
@@ -73,11 +87,9 @@ def claim_gpus(n: int, *, devices: list[int] | None = None, locks: Path | None =
                     break
                 if d in held:
                     continue
-                fd = os.open(locks / f"gpu{d}.lock", os.O_RDWR | os.O_CREAT, 0o600)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
+                    fd = open_locked(locks / f"gpu{d}.lock", _Busy())
+                except _Busy:
                     continue
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())

@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 from . import vllm_format
 from .config import schema_field
 from .errors import ConfigError, ServerError
+from .gpus import nvidia_smi, visible_devices
 from .util import say, write_atomic
 
 # A GPU with more memory in use than this is taken to be busy (the driver alone holds a few MiB).
@@ -249,10 +249,8 @@ def busy_gpus(devices: list[int] | None = None, threshold_mib: int = GPU_BUSY_MI
     """Describe the GPUs among `devices` that already hold memory, with the processes holding it.
 
     Empty when nvidia-smi is absent (a CPU machine) or every GPU is free."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    gpus = _nvidia_smi("--query-gpu=index,uuid,memory.used,memory.total")
-    apps = _nvidia_smi("--query-compute-apps=gpu_uuid,pid,process_name,used_memory")
+    gpus = nvidia_smi("--query-gpu=index,uuid,memory.used,memory.total")
+    apps = nvidia_smi("--query-compute-apps=gpu_uuid,pid,process_name,used_memory")
     busy = []
     for index, uuid, used, total in gpus:
         if devices is not None and int(index) not in devices:
@@ -264,26 +262,16 @@ def busy_gpus(devices: list[int] | None = None, threshold_mib: int = GPU_BUSY_MI
     return busy
 
 
-def _nvidia_smi(query: str) -> list[list[str]]:
-    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        return []
-    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
-
-
 def gpu_memory_summary() -> str | None:
     """One line of GPU memory in use, a second readiness signal while a big model loads."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    rows = _nvidia_smi("--query-gpu=index,memory.used")
+    rows = nvidia_smi("--query-gpu=index,memory.used")
     return " ".join(f"gpu{i}:{m}MiB" for i, m in rows) or None
 
 
 def _server_devices(cfg: ServerConfig) -> list[int]:
     visible = cfg.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible:
-        return [int(d) for d in visible.split(",") if d.strip().isdigit()]
+        return visible_devices(visible)
     return list(range(cfg.tensor_parallel_size))
 
 
