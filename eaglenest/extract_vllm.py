@@ -43,12 +43,12 @@ from .errors import DiskSpaceError, EaglenestError
 from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
 from .server import ServerConfig, key_hint
 from .target import load_target_head
+from .traces import KEEPALIVE_S, RETRY_STATUSES, describe_client_error
 from .util import open_locked, progress_bar, say
 from .vllm_connector import read_states, remove_states
 from .vllm_format import extraction_layer_ids, extraction_server_args
 
 BACKEND = "vllm"
-RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 
 
 class ExtractError(EaglenestError, RuntimeError):
@@ -234,7 +234,7 @@ class _Run:
         try:
             async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                              connector=aiohttp.TCPConnector(limit=self.concurrency,
-                                                                            keepalive_timeout=4.0),
+                                                                            keepalive_timeout=KEEPALIVE_S),
                                              cookie_jar=aiohttp.DummyCookieJar()) as session:
                 queue = iter(todo)
                 workers = [asyncio.create_task(self._worker(session, queue))
@@ -280,7 +280,7 @@ class _Run:
                         raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused trace "
                                            f"{rid!r} ({len(ids)} tokens): {what}")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                what = _describe(e)
+                what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
             if attempt == self.max_retries:
                 raise ExtractError(
                     f"{self.shard}: the extraction server at {self.url} stopped answering ({what}) after "
@@ -345,15 +345,3 @@ def _first_difference(got, ids):
         if a != b:
             return f"position {i}: {a} returned, {b} sent"
     return f"position {min(len(got), len(ids))} (lengths differ)"
-
-
-def _describe(e):
-    import aiohttp
-
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return "connection refused" if isinstance(e.os_error, ConnectionRefusedError) else str(e.os_error)
-    if isinstance(e, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
-    if isinstance(e, asyncio.TimeoutError):
-        return "no answer within hidden.request_timeout"
-    return str(e) or type(e).__name__

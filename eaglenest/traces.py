@@ -308,7 +308,7 @@ class _ShardRun:
                         return r.status, raw[:300].decode("utf-8", "replace")
                     return 200, [m.get("id") for m in json.loads(raw).get("data") or []]
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                return None, _describe_client_error(e, 30)
+                return None, describe_client_error(e, 30)
             except (ValueError, AttributeError, TypeError):
                 return 200, None
 
@@ -347,7 +347,7 @@ class _ShardRun:
                     if status != 200:
                         retry_after = resp.headers.get("Retry-After")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                failure = _describe_client_error(e, g["request_timeout"])
+                failure = describe_client_error(e, g["request_timeout"])
                 if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
                                   aiohttp.ClientOSError)):
                     self._mark_down(server, failure)
@@ -714,11 +714,12 @@ def _describe_os_error(e):
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
-def _describe_client_error(e, request_timeout):
+def describe_client_error(e, request_timeout, key="generation.request_timeout"):
+    """A failed request's cause in a few words (``key``: the setting that bounds its wait)."""
     if isinstance(e, aiohttp.ClientConnectorError):
         return _describe_os_error(e.os_error)
     if isinstance(e, aiohttp.ServerDisconnectedError):
         return "server disconnected"
     if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return f"no answer within {request_timeout:g} s (generation.request_timeout)"
+        return f"no answer within {request_timeout:g} s ({key})"
     return str(e) or type(e).__name__
