@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
-from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, resolve_config, resolve_runtime, target_distribution
+from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime, target_distribution
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
     "llama8b": (4096, 14336, 32, 8, 128256),
@@ -122,7 +122,7 @@ def main():
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
-    label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "freeze_lm_head"))
+    label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head"))
     if run["compile"]:
         configure_compile(range(len(a.ttt) * len(a.sizes)))
     rows = []
@@ -147,7 +147,7 @@ def main():
         # as train_draft: the embedding table stays off the device, each batch's rows come with it
         model.set_target(embed[:0], d2t, t2d)
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
+        opt = make_optimizer(model, {**run, "lr": 1e-4}, dev == "cuda")
         draft_ids = model.draft_ids()
         t2d_dev = t2d.to(dev)
         inputs = []

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .config import defaults
 from .hidden import HiddenShards
 from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
+from .optim import MasterAdamW
 from .target import load_target_head, resolve_device
 from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
@@ -38,7 +39,7 @@ CHECKPOINT_FORMAT = "eaglenest.draft/1"
 DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
             "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
-AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss")
+AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss")  # the model's attributes of the same names
 
 
 def resolve_config(config):
@@ -61,6 +62,8 @@ def resolve_runtime(cfg, device):
         out["compile"] = cuda and out["attention"] == "flex"
     if out["fused_loss"] == "auto":
         out["fused_loss"] = cuda
+    if out["bf16_weights"] == "auto":
+        out["bf16_weights"] = cuda
     if out["recompute"] == "auto":
         # Recomputing the TTT steps costs about a sixth of the step's FLOPs and saves ~0.3 GiB of
         # activations a step at Llama-3.1-8B sizes (~0.5 at Kimi-K2.5's); a trained lm_head costs
@@ -68,7 +71,7 @@ def resolve_runtime(cfg, device):
         out["recompute"] = cuda and not out["freeze_lm_head"]
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
-    for key in ("compile", "recompute", "fused_loss"):
+    for key in ("compile", "recompute", "fused_loss", "bf16_weights"):
         if not isinstance(out[key], bool):
             raise ValueError(f"train.{key} must be auto, true or false, got {out[key]!r}")
     if out["compile"] and (not cuda or out["attention"] != "flex"):
@@ -197,6 +200,20 @@ def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, 
         probs, argmax = [h.new_zeros(0, len(draft_ids), dtype=torch.float32)], [rows.new_zeros(0)]
     argmax = torch.cat(argmax)
     return {"rows": rows, "probs": torch.cat(probs), "argmax": argmax, "in_draft": t2d[argmax]}
+
+
+def make_optimizer(model, cfg, on_gpu):
+    """AdamW over ``model``'s trainable parameters. With ``bf16_weights`` the model's parameters are
+    cast to bf16 here, after ``optim.MasterAdamW`` took their fp32 values as its masters (its float
+    buffers, the rope frequencies, stay fp32); call it before wrapping the model in DDP."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    betas = (0.9, 0.95)  # MasterAdamW's bf16 moments rely on beta2 well below 1 - 2**-8
+    if not cfg["bf16_weights"]:
+        return torch.optim.AdamW(params, lr=cfg["lr"], betas=betas, weight_decay=cfg["weight_decay"], **({"fused": True} if on_gpu else {}))
+    opt = MasterAdamW(params, lr=cfg["lr"], betas=betas, weight_decay=cfg["weight_decay"])
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return opt
 
 
 def lr_at(step, cfg, total_steps):
@@ -440,13 +457,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     del head
     draft_ids, t2d_dev = model.draft_ids(), model.t2d
     params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(model, cfg, on_gpu)
     trainable = model
     if world > 1:
         # buffers (the frozen embedding, the vocab maps) are equal on every rank: no broadcast each step
         ddp = torch.nn.parallel.DistributedDataParallel
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
         trainable = ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"], **({"fused": True} if on_gpu else {}))
 
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = _count_steps(lengths, cfg, world)
@@ -471,7 +488,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         break
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
-    how = f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}"
+    how = f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights {cfg['bf16_weights']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}"
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)
@@ -533,7 +550,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
                 targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev, rows=batch["rows"])
                 if "plan" in batch:
                     targets["plan"] = batch["plan"]
-                aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].float()
+                aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(model.fc.weight.dtype)  # no autocast on CPU
                 sync = world == 1 or a == accum - 1
                 with trainable.no_sync() if not sync else contextlib.nullcontext():
                     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
@@ -587,7 +604,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         "sequences": len(shards),
     }
     if rank == 0:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
         metadata = {
             "format": CHECKPOINT_FORMAT,
             "draft_config": json.dumps(dcfg.to_dict()),

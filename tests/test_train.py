@@ -197,6 +197,7 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     assert (cpu["attention"], cpu["compile"], cpu["recompute"], cpu["fused_loss"]) == ("sdpa", False, False, False)
     cuda = train.resolve_runtime(cfg, "cuda:0")
     assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, True, True)
+    assert (cpu["bf16_weights"], cuda["bf16_weights"]) == (False, True)
     assert train.resolve_runtime({**cfg, "attention": "sdpa"}, "cuda")["compile"] is False
     assert train.resolve_runtime({**cfg, "freeze_lm_head": True}, "cuda")["recompute"] is False
     with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
@@ -214,6 +215,32 @@ def test_default_config_trains_on_cpu_with_the_reference_path(data, tmp_path, ca
     assert [int(r["step"]) for r in rows] == list(range(1, 7)) and stats["steps"] == 6
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_bf16_weights_checkpoint_the_fp32_masters_and_resume_exactly(data, tmp_path, monkeypatch):
+    """The CUDA default (bf16 weights, optim.MasterAdamW) run on CPU: the checkpoint holds the fp32
+    masters, not the bf16 weights, and a run stopped after a saved state resumes to the same result."""
+    config = {**CONFIG, "bf16_weights": True}
+    run(data, tmp_path / "straight", config)
+    a, _, _, trained = load_checkpoint(tmp_path / "straight" / "checkpoint.safetensors")
+    assert trained["config"]["bf16_weights"] is True
+    assert a["fc.weight"].dtype == torch.float32 and not torch.equal(a["fc.weight"], a["fc.weight"].bfloat16().float())
+    rows = list(csv.DictReader(open(tmp_path / "straight" / "train_metrics.csv")))
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        if step == 4:
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(data, tmp_path / "killed", config)
+    monkeypatch.setattr(train, "_save_state", save)
+    assert run(data, tmp_path / "killed", config)["resumed_from"] == 4
+    b = load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_frozen_lm_head_stays_put(data, tmp_path):
