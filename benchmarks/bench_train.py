@@ -184,6 +184,8 @@ def main():
             r = dict(impl=label, size=size, seq=T, ttt=ttt,
                      step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                      peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
+                     # between steps: weights, optimizer state, inputs; the rest of the peak is the step's
+                     static_gib=round(torch.cuda.memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                      warmup_s=round(warm, 1))
             if a.profile:
                 r["profile"] = profile(step, dev)

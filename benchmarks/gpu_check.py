@@ -89,6 +89,41 @@ def main():
         failures.append({"graphs": graphs})
     elif dev == "cuda" and graphs > 3:
         print(f"WARNING: {graphs} graphs compiled, 3 expected", flush=True)
+    # the default's weights are bf16 (train.make_optimizer): the same fast path with a bf16 copy of
+    # the model, against the fp32-weight reference under autocast
+    import copy
+
+    m16 = copy.deepcopy(model)
+    for p in m16.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    ref16 = run(model, REF, ids, aux, targets, 7, autocast=True)
+    got = run(m16, fast, ids, aux, targets, 7, autocast=True)
+    r = {"bf16_weights_rel_loss": rel(got[0], ref16[0]), "bf16_weights_worst_rel_grad": max((rel(got[2][n], ref16[2][n]), n) for n in ref16[2])}
+    r["ok"] = bool(r["bf16_weights_rel_loss"] < 2e-2 and r["bf16_weights_worst_rel_grad"][0] < 1e-1)
+    print(json.dumps(r), flush=True)
+    if not r["ok"]:
+        failures.append(r)
+    # MasterAdamW: its compiled update (the default on CUDA) against the eager one, 5 steps
+    from eaglenest.optim import MasterAdamW
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(2)
+        ps = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in (1000, 4096, 77)]
+        opt = MasterAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, compiled=compiled and dev == "cuda")
+        for p in ps:
+            p.data = p.data.to(torch.bfloat16)
+        for i in range(5):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            opt.param_groups[0]["lr"] = 1e-2 / (i + 1)
+            opt.step()
+        results.append([opt.state[p]["master"].clone() for p in ps])
+    r = {"master_adamw_compiled_vs_eager": max(rel(a, b) for a, b in zip(*results))}
+    r["ok"] = r["master_adamw_compiled_vs_eager"] < 1e-5
+    print(json.dumps(r), flush=True)
+    if not r["ok"]:
+        failures.append(r)
     if failures:
         print("GPU CHECK FAILED: " + json.dumps(failures, default=str), flush=True)
         sys.exit(1)
