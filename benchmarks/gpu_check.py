@@ -94,6 +94,7 @@ def main():
     import copy
 
     m16 = copy.deepcopy(model)
+    m16._step_compiled = None  # the copied compiled step is bound to the original model
     for p in m16.parameters():
         p.data = p.data.to(torch.bfloat16)
     ref16 = run(model, REF, ids, aux, targets, 7, autocast=True)
