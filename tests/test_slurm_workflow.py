@@ -148,9 +148,9 @@ def test_a_failed_workflow_cancels_the_server_job(kept_server):
     assert "shard_0.jsonl:1: not a prompt record" in (wd / "logs/generate_traces/shard_0.log").read_text()
     said = (wd / "logs/server_ready.log").read_text()
     assert f"reusing the server job this workflow submitted before: SLURM job {job_id} (RUNNING)" in said, said
-    # onerror cancelled the job before Snakemake exited.
-    assert f"cancelled the server's SLURM job {job_id} (the workflow failed or was interrupted)" in text, text[-3000:]
+    # The job had ended when Snakemake exited (not later, by the watchdog), cancelled by onerror.
     assert state is None or state["state"] not in ALIVE | {"COMPLETING"}, state
+    assert f"cancelled the server's SLURM job {job_id} (the workflow failed or was interrupted)" in text, text[-3000:]
     assert find_jobs(kept_server["name"]) == []
     server_gone(port, timeout=60)  # no vLLM process left on the node, the port free
     assert not (wd / "logs/server/slurm.job.json").exists() and not (wd / "server.ready").exists()
