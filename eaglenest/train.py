@@ -52,8 +52,8 @@ def resolve_config(config):
 def resolve_runtime(cfg, device):
     """``cfg`` with the "auto" entries of AUTO_KEYS made concrete for ``device`` ("cuda..."/"cpu").
 
-    On CUDA: flex attention, compiled, recomputed, fused loss. Elsewhere: the dense mask and none of
-    the rest. An explicit choice the device cannot run raises (no silent fallback to a slow path)."""
+    On CUDA: flex attention, compiled, fused loss, bf16 weights (fp32 masters), recomputed only with
+    a trained lm_head. Elsewhere: the dense mask and none of the rest. An explicit choice the device cannot run raises (no silent fallback to a slow path)."""
     cuda = str(device).startswith("cuda")
     out = dict(cfg)
     if out["attention"] == "auto":
@@ -67,7 +67,8 @@ def resolve_runtime(cfg, device):
     if out["recompute"] == "auto":
         # Recomputing the TTT steps costs about a sixth of the step's FLOPs and saves ~0.3 GiB of
         # activations a step at Llama-3.1-8B sizes (~0.5 at Kimi-K2.5's); a trained lm_head costs
-        # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then.
+        # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then (the
+        # default freezes it: see freeze_lm_head in the schema).
         out["recompute"] = cuda and not out["freeze_lm_head"]
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")

@@ -196,10 +196,11 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     cpu = train.resolve_runtime(cfg, "cpu")
     assert (cpu["attention"], cpu["compile"], cpu["recompute"], cpu["fused_loss"]) == ("sdpa", False, False, False)
     cuda = train.resolve_runtime(cfg, "cuda:0")
-    assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, True, True)
+    assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, False, True)
+    assert cfg["freeze_lm_head"] is True
     assert (cpu["bf16_weights"], cuda["bf16_weights"]) == (False, True)
     assert train.resolve_runtime({**cfg, "attention": "sdpa"}, "cuda")["compile"] is False
-    assert train.resolve_runtime({**cfg, "freeze_lm_head": True}, "cuda")["recompute"] is False
+    assert train.resolve_runtime({**cfg, "freeze_lm_head": False}, "cuda")["recompute"] is True
     with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
         train.resolve_runtime({**cfg, "compile": True}, "cpu")
     # compiled: batches padded to one shape per padded length
@@ -245,7 +246,7 @@ def test_bf16_weights_checkpoint_the_fp32_masters_and_resume_exactly(data, tmp_p
 
 def test_frozen_lm_head_stays_put(data, tmp_path):
     run(data, tmp_path / "a", {**CONFIG, "freeze_lm_head": True, "max_steps": 2})
-    run(data, tmp_path / "b", {**CONFIG, "max_steps": 2})
+    run(data, tmp_path / "b", {**CONFIG, "freeze_lm_head": False, "max_steps": 2})
     def head(d):
         return load_checkpoint(tmp_path / d / "checkpoint.safetensors")[0]["lm_head.weight"]
 
