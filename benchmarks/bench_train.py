@@ -112,13 +112,15 @@ def main():
     for key in ("compile", "recompute", "fused-loss"):
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
-    p.add_argument("--freeze-lm-head", action="store_true")
+    p.add_argument("--freeze-lm-head", type=choice, default=None, help="true/false; default: train's (true)")
     p.add_argument("--profile", action="store_true", help="then profile 2 steps: device time by kind of kernel, top kernels")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    run = resolve_runtime(resolve_config({"attention": a.attention, "compile": a.compile, "recompute": a.recompute,
-                                          "fused_loss": a.fused_loss, "freeze_lm_head": a.freeze_lm_head}), dev)
+    given = {"attention": a.attention, "compile": a.compile, "recompute": a.recompute, "fused_loss": a.fused_loss}
+    if a.freeze_lm_head is not None:
+        given["freeze_lm_head"] = a.freeze_lm_head
+    run = resolve_runtime(resolve_config(given), dev)
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
