@@ -77,9 +77,12 @@ part e2e_kimi 200 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT" "$
 part extract 120 $PY benchmarks/bench_extract.py --seqs 64 --out "${TMPDIR:-/tmp}" "${SMALL[@]}"
 # 5. the step alone on GPU-resident tensors, the path train_draft picks by default
 part step 90 $PY benchmarks/bench_train.py --sizes llama8b --ttt 7 --iters 8 "${SMALL[@]}"
-# 6. if time is left: Kimi sizes with the draft lm_head frozen (as the peer's is), for the memory goal
-if (( BUDGET - ($(date +%s) - START) >= 170 )); then
-  part e2e_kimi_frozen_head 200 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT/frozen" --config '{"freeze_lm_head": true}' "${SMALL[@]}"
+# 6. if time is left: where the Kimi-size step's time goes, and the trained-lm_head option's cost
+if (( BUDGET - ($(date +%s) - START) >= 60 )); then
+  part step_profile 80 $PY benchmarks/bench_train.py --sizes kimi --ttt 7 --iters 6 --profile "${SMALL[@]}"
+fi
+if (( BUDGET - ($(date +%s) - START) >= 80 )); then
+  part e2e_llama8b_trained_head 100 $PY benchmarks/bench_train_e2e.py --sizes llama8b --out "$OUT/trained" --config '{"freeze_lm_head": false}' "${SMALL[@]}"
 fi
 
 echo "== summary ($(( $(date +%s) - START ))s)"
