@@ -64,18 +64,21 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     """The extraction server: the generation server's settings plus extraction mode.
 
     ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
-    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``).
+    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``),
+    with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
+    (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
     ``max_model_len``; only the prompt is run through the model (the generated token never is), so
     going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
     cfg = ServerConfig.from_dict(server)
-    env = dict(cfg.env)
+    env = {**cfg.env, **{k: str(v) for k, v in hidden.get("server_env", {}).items()}}
     max_len = cfg.max_model_len
     if max_len is not None and max_len <= hidden["max_length"]:
         max_len = hidden["max_length"] + 1
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
         cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
+        gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
         extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
 
 
