@@ -20,6 +20,7 @@ longest sequence's file still fits beside it. The cache lives for one run (a rer
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -37,7 +38,7 @@ class StreamedStates:
     """Sequences of ``trace_paths``, their states from the extraction server (see the module doc)."""
 
     def __init__(self, trace_paths, *, client: StatesClient, max_length, use_truncated, concurrency, ahead_tokens,
-                 max_disk_bytes, cache_dir=None):
+                 max_disk_bytes, cache_dir=None, prefix=PREFIX):
         self.paths = [Path(p) for p in trace_paths]  # what the data is: named in errors and the fingerprint
         self.client, self.concurrency, self.ahead_tokens = client, int(concurrency), int(ahead_tokens)
         self.max_length, self.use_truncated = max_length, use_truncated
@@ -57,7 +58,8 @@ class StreamedStates:
         if self.cache_dir is not None:
             shutil.rmtree(self.cache_dir, ignore_errors=True)  # a killed run's cache: this run starts empty
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-        client.remove_orphans(PREFIX)  # files of requests a killed earlier run left in flight
+        self.prefix = prefix  # of this process's request ids: its per-request files are its own
+        client.remove_orphans(prefix)  # files of requests a killed earlier run left in flight
         self.cached = {}  # k -> bytes on disk
         self.in_flight_bytes = 0
         self.peak_bytes = 0
@@ -126,7 +128,7 @@ class StreamedStates:
         self.stopping.set()
         if self.thread is not None:
             self.thread.join(timeout=30)
-        self.client.remove_orphans(PREFIX)
+        self.client.remove_orphans(self.prefix)
         if self.cache_dir is not None:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
 
@@ -199,7 +201,7 @@ class StreamedStates:
         kept = ("the training state saved every train.save_every steps is kept: rerun the workflow (it restarts "
                 "the extraction server) and training resumes from its last saved step")
         try:
-            path = await self.client.request(session, rid, ids, f"{PREFIX}{k}", where="train_draft (hidden.mode: stream)",
+            path = await self.client.request(session, rid, ids, f"{self.prefix}{k}", where="train_draft (hidden.mode: stream)",
                                              sent=self.counts["extracted"], kept=kept)
             aux, last = await loop.run_in_executor(None, lambda: self.client.states(
                 path, rid, ids, where="train_draft (hidden.mode: stream)", kept=kept))
@@ -240,9 +242,13 @@ def open_stream(spec: dict) -> StreamedStates:
     from .server import ServerConfig
 
     api_key = ServerConfig.from_dict(spec["server"]).api_key()
+    # under torchrun each process fetches its own batches: the budget is split, each has its own
+    # cache and request ids
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     client = StatesClient(url=spec["url"], model=spec["model"], storage=spec["storage"], head_path=spec["head"],
                           request_timeout=spec["request_timeout"], max_retries=spec["max_retries"], api_key=api_key)
     return StreamedStates(spec["traces"], client=client, max_length=spec["max_length"],
                           use_truncated=spec["use_truncated"], concurrency=spec["concurrency"],
-                          ahead_tokens=spec["ahead_tokens"], max_disk_bytes=float(spec["max_disk_gb"]) * 1e9,
-                          cache_dir=spec["cache_dir"] if spec.get("cache") else None)
+                          ahead_tokens=spec["ahead_tokens"], max_disk_bytes=float(spec["max_disk_gb"]) * 1e9 / world,
+                          cache_dir=f"{spec['cache_dir']}/rank{rank}" if spec.get("cache") else None,
+                          prefix=f"{PREFIX}r{rank}-")
