@@ -5,6 +5,7 @@ asked for. Its states are a deterministic function of the token ids (seeded nois
 (shards written by ``extract_hidden_vllm`` from the same stub) and stream mode see the same numbers:
 the checkpoints must then be bit-identical, the batches being the same in the same order."""
 import json
+import os
 import random
 import zlib
 
@@ -13,7 +14,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from conftest import TOY_TARGET
+from conftest import TOY_TARGET, free_port
 from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm
 from eaglenest.target import save_target_head
 from eaglenest.train import load_checkpoint, train_draft
@@ -140,4 +141,30 @@ def test_a_dead_server_stops_training_with_its_url_and_the_rerun_resumes(data, f
         stats = _train(data, tmp_path, stream=_spec(data, stub, storage=str(storage), cache=False))
     assert stats["resumed_from"] and stats["resumed_from"] >= 4, stats
     assert _same(files_run[0], tmp_path)
+    assert list(storage.iterdir()) == []
+
+
+def _ddp_rank(rank, world, port, data, out, spec, config):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train_draft([], data["vocab"], out / "checkpoint.safetensors", out / "metrics.csv", head_path=data["head"],
+                config=config, state_dir=out / "state", device="cpu", progress=False, stream=spec)
+
+
+def test_two_streaming_ranks_equal_one_process_accumulating_two(data, tmp_path):
+    """Under torchrun each rank streams its own micro-batches (own request ids, cache, share of the budget)."""
+    config = {**CONFIG, "max_steps": 4}
+    storage = storage_dir(tmp_path / "states")
+    port = free_port()
+    with SeededStub(storage, 4, 128) as stub:
+        spec = _spec(data, stub, storage=str(storage), cache_dir=str(tmp_path / "cache"))
+        torch.multiprocessing.spawn(_ddp_rank, args=(2, port, data, tmp_path / "ddp", spec, config), nprocs=2)
+        train_draft([], data["vocab"], tmp_path / "one/checkpoint.safetensors", tmp_path / "one/metrics.csv",
+                    head_path=data["head"], config={**config, "grad_accum": 2}, state_dir=tmp_path / "one/state",
+                    device="cpu", progress=False, stream=spec)
+    a = load_checkpoint(tmp_path / "ddp" / "checkpoint.safetensors")[0]
+    b = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")[0]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     assert list(storage.iterdir()) == []
