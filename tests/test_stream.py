@@ -96,7 +96,8 @@ def runs(tmp_path_factory):
     _stream_copy(wd_f, wd_s, cfg["server"]["port"], max_disk_gb=budget / 1e9)
     plan = run_snakemake(wd_s, CHECKPOINT, "-n")
     assert "generate_traces" not in plan.stdout and "extract_hidden" not in plan.stdout, plan.stdout[-3000:]
-    with PeakDisk([wd_s / "hidden", wd_s / "draft/.train_state/stream_cache"]) as peak:
+    # hidden states on disk: the per-request files and the cache (target_head.safetensors is no state)
+    with PeakDisk([wd_s / "hidden/.vllm_states", wd_s / "draft/.train_state/stream_cache"]) as peak:
         run_snakemake(wd_s, CHECKPOINT, timeout=1500)
     result = {"files": wd_f, "stream": wd_s, "budget": budget, "shard_bytes": shard.stat().st_size,
               "stream_peak": peak.peak, "samples": peak.samples,
