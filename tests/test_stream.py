@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     budget = shard.stat().st_size / 4
     _stream_copy(wd_f, wd_s, cfg["server"]["port"], max_disk_gb=budget / 1e9)
     plan = run_snakemake(wd_s, CHECKPOINT, "-n")
-    assert "generate_traces" not in plan.stdout and "extract_hidden" not in plan.stdout, plan.stdout[-3000:]
+    assert "rule generate_traces:" not in plan.stdout and "rule extract_hidden" not in plan.stdout, plan.stdout[-3000:]
     # hidden states on disk: the per-request files and the cache (target_head.safetensors is no state)
     with PeakDisk([wd_s / "hidden/.vllm_states", wd_s / "draft/.train_state/stream_cache"]) as peak:
         run_snakemake(wd_s, CHECKPOINT, timeout=1500)
