@@ -13,8 +13,8 @@ stream mode trains on the numbers files mode would have read from the shards.
 Disk: the per-request files (deleted once read) and the optional cache of extracted sequences
 (``cache_dir``, reused when a later epoch reads a sequence again instead of asking the server)
 together never exceed ``max_disk_bytes``: a request is sent only when its file's largest possible
-size fits beside the files in flight and the cache, and a sequence enters the cache only while the
-longest sequence's file still fits beside it. The cache lives for one run (a rerun starts it empty).
+size fits beside the files in flight and the cache, and the cache keeps room for ``concurrency`` of
+the longest sequence's files (or half the budget where that is less; at least one file). The cache lives for one run (a rerun starts it empty).
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class StreamedStates:
                 f"hidden.max_disk_gb ({self.budget / 1e9:g} GB) is below the per-request file of the longest "
                 f"sequence ({longest} tokens: up to {self.longest_file / 1e9:.4g} GB); raise hidden.max_disk_gb "
                 f"or lower hidden.max_length")
+        # the cache may take what the requests in flight do not need: room for hidden.concurrency of
+        # the longest files, or half the budget where that is less (and at least one such file)
+        self.cache_limit = self.budget - max(self.longest_file, min(self.concurrency * self.longest_file, self.budget // 2))
         self.cache_dir = Path(cache_dir) if cache_dir else None
         if self.cache_dir is not None:
             shutil.rmtree(self.cache_dir, ignore_errors=True)  # a killed run's cache: this run starts empty
@@ -218,7 +221,7 @@ class StreamedStates:
         if self.cache_dir is not None:
             size = (aux.numel() + last.numel()) * 2 + 4096
             with self.cond:
-                room = sum(self.cached.values()) + size + self.longest_file <= self.budget
+                room = sum(self.cached.values()) + size <= self.cache_limit
                 if room:
                     self.cached[k] = size  # counted before it is written: the peak stays an upper bound
             if room:
