@@ -118,6 +118,15 @@ def train_inputs():
     return {"hidden": expand("hidden/shard_{i}.safetensors", i=SHARDS), "hidden_server_stopped": hidden_server_stopped()}
 
 
+def stream_params():
+    """Stream mode: what makes the sequences and the states vLLM computes (as for the shards), so a
+    change retrains; files mode: nothing (its params stay as they were)."""
+    if not STREAM:
+        return {}
+    return {"stream": {**{k: config["hidden"][k] for k in ("max_length", "use_truncated")},
+                       **{k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")}}}
+
+
 def after_training():
     """Stream mode: the work after training (export, then validation on the GPUs) waits until the
     extraction server training used has stopped."""

@@ -28,10 +28,7 @@ rule train_draft:
         nproc=train_processes(),
         norm_before_residual=config["draft"]["norm_before_residual"],
         state_dir="draft/.train_state",
-        # stream mode: what makes the sequences and the states vLLM computes (as for the shards) retrains on a change
-        stream={**{k: config["hidden"][k] for k in ("max_length", "use_truncated")},
-                **{k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")}}
-        if STREAM else {},
+        **stream_params(),
     threads: all_cores()
     resources:
         gpu=gpus("train"),

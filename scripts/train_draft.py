@@ -22,7 +22,7 @@ hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
 nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]
 stream = None
-if snakemake.params.stream:
+if snakemake.params.get("stream"):
     h, server = snakemake.config["hidden"], snakemake.config["server"]
     ready = check_sentinel(snakemake.input.ready, ServerConfig.from_dict(server).api_key())
     stream = {"traces": list(snakemake.input.traces), "url": ready["urls"][0], "model": ready["model"],
