@@ -64,6 +64,7 @@ class StreamedStates:
         self.prefix = prefix  # of this process's request ids: its per-request files are its own
         client.remove_orphans(prefix)  # files of requests a killed earlier run left in flight
         self.cached = {}  # k -> bytes on disk
+        self.cached_bytes = 0
         self.in_flight_bytes = 0
         self.peak_bytes = 0
         self.counts = {"extracted": 0, "extracted_tokens": 0, "re_extracted": 0, "re_extracted_tokens": 0,
@@ -148,7 +149,7 @@ class StreamedStates:
     def _account(self, delta_flight=0):
         with self.cond:
             self.in_flight_bytes += delta_flight
-            self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes + sum(self.cached.values()))
+            self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes + self.cached_bytes)
 
     def _run(self, order):
         try:
@@ -190,7 +191,7 @@ class StreamedStates:
                         continue
                     need = self.client.file_bytes(n)
                     await self._wait_until(lambda: len(tasks) < self.concurrency and
-                                           self.in_flight_bytes + sum(self.cached.values()) + need <= self.budget, tasks)
+                                           self.in_flight_bytes + self.cached_bytes + need <= self.budget, tasks)
                     self._account(need)
                     tasks.add(asyncio.ensure_future(self._fetch(session, loop, pos, k, need)))
                 await self._wait_until(lambda: not tasks, tasks)
@@ -221,9 +222,10 @@ class StreamedStates:
         if self.cache_dir is not None:
             size = (aux.numel() + last.numel()) * 2 + 4096
             with self.cond:
-                room = sum(self.cached.values()) + size <= self.cache_limit
+                room = self.cached_bytes + size <= self.cache_limit
                 if room:
                     self.cached[k] = size  # counted before it is written: the peak stays an upper bound
+                    self.cached_bytes += size
             if room:
                 from safetensors.torch import save_file
 
