@@ -64,18 +64,21 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     """The extraction server: the generation server's settings plus extraction mode.
 
     ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
-    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``).
+    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``),
+    with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
+    (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
     ``max_model_len``; only the prompt is run through the model (the generated token never is), so
     going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
     cfg = ServerConfig.from_dict(server)
-    env = dict(cfg.env)
+    env = {**cfg.env, **{k: str(v) for k, v in hidden.get("server_env", {}).items()}}
     max_len = cfg.max_model_len
     if max_len is not None and max_len <= hidden["max_length"]:
         max_len = hidden["max_length"] + 1
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
         cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
+        gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
         extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
 
 
@@ -93,10 +96,9 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
         trace_paths = [trace_paths]
     t_start = time.time()
     out_path, storage = Path(out_path), Path(storage).resolve()
-    head, info = load_target_head(head_path)
-    ids_wanted, hidden_size = layer_ids(info), int(info["hidden_size"])
-    aux_layers = ids_wanted[:-1]
-    norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
+    client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=request_timeout,
+                          max_retries=max_retries, api_key=api_key)
+    info, hidden_size, aux_layers = client.info, client.hidden_size, client.aux_layers
 
     seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
     specs, metadata, offsets = shard_layout(seqs, aux_layers=aux_layers, hidden_size=hidden_size,
@@ -106,7 +108,7 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
     longest = max(len(ids) for _, ids, _ in seqs)
     # per-request files in flight: [T, layers, H] at up to 4 bytes each
-    staging = min(concurrency, len(seqs)) * longest * len(ids_wanted) * hidden_size * 4
+    staging = min(concurrency, len(seqs)) * client.file_bytes(longest)
     partial = out_path.with_name(out_path.name + ".partial")
     have = partial.stat().st_size if partial.is_file() else 0
     say(f"extract_hidden (vLLM at {url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
@@ -114,9 +116,7 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     _check_free_disk(out_path, storage, needed - have, staging)
 
     writer = ShardWriter(out_path, specs, metadata, resume=True)
-    run = _Run(seqs=seqs, offsets=offsets, writer=writer, url=url.rstrip("/"), model=model, storage=storage,
-               ids_wanted=ids_wanted, hidden_size=hidden_size, norm=norm, concurrency=concurrency,
-               request_timeout=request_timeout, max_retries=max_retries, api_key=api_key, progress=progress,
+    run = _Run(seqs=seqs, offsets=offsets, writer=writer, client=client, concurrency=concurrency, progress=progress,
                shard=out_path.name.split(".")[0])
     try:
         run.open_journal()
@@ -171,13 +171,9 @@ def final_norm(x, weight, eps):
 
 
 class _Run:
-    def __init__(self, *, seqs, offsets, writer, url, model, storage, ids_wanted, hidden_size, norm, concurrency,
-                 request_timeout, max_retries, api_key, progress, shard):
+    def __init__(self, *, seqs, offsets, writer, client, concurrency, progress, shard):
         self.seqs, self.offsets, self.writer = seqs, offsets, writer  # pass 1's sequences and layout
-        self.url, self.model, self.storage, self.api_key = url, model, storage, api_key
-        self.ids_wanted, self.hidden_size, self.norm = ids_wanted, hidden_size, norm
-        self.concurrency, self.request_timeout, self.max_retries = concurrency, request_timeout, max_retries
-        self.progress, self.shard = progress, shard
+        self.client, self.concurrency, self.progress, self.shard = client, concurrency, progress, shard
         self.journal_path = writer.partial.with_name(writer.partial.name + ".done")
         self.done, self.resumed, self.sent, self.tokens_sent = set(), 0, 0, 0
         self.lock = threading.Lock()
@@ -212,30 +208,18 @@ class _Run:
 
     def remove_orphans(self):
         """Per-request files of this shard whose client is gone (this run's failure, an earlier kill)."""
-        for p in glob.glob(str(self.storage / (glob.escape(self.prefix) + "*"))) + \
-                glob.glob(str(self.storage / ("cmpl-" + glob.escape(self.prefix) + "*"))):
-            if p.endswith(".safetensors"):
-                remove_states(p)
+        self.client.remove_orphans(self.prefix)
 
     # -- sending ----------------------------------------------------------------------------
 
     async def main(self):
-        import aiohttp
-
         self.remove_orphans()
         todo = [k for k in range(len(self.seqs)) if k not in self.done]
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=min(30.0, self.request_timeout))
         self.pbar = progress_bar(total=int(self.offsets[-1]), initial=sum(len(self.seqs[k][1]) for k in self.done),
                                  unit="tok", desc=f"extract {self.shard}", disable=not self.progress)
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         try:
-            async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                             connector=aiohttp.TCPConnector(limit=self.concurrency,
-                                                                            keepalive_timeout=KEEPALIVE_S),
-                                             cookie_jar=aiohttp.DummyCookieJar()) as session:
+            async with self.client.session(self.concurrency) as session:
                 queue = iter(todo)
                 workers = [asyncio.create_task(self._worker(session, queue))
                            for _ in range(min(self.concurrency, len(todo)))]
@@ -259,72 +243,17 @@ class _Run:
             await loop.run_in_executor(self.pool, self._store, k, path)
 
     async def _request(self, session, k):
-        import aiohttp
-
         rid, ids, _ = self.seqs[k]
-        body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0}
-        for attempt in range(self.max_retries + 1):
-            req_id = f"{self.prefix}{k}-{uuid.uuid4().hex[:8]}"
-            try:
-                async with session.post(self.url + "/v1/completions", json=body,
-                                        headers={"X-Request-Id": req_id}) as r:
-                    raw = await r.read()
-                    if r.status == 200:
-                        answer = await r.json(content_type=None)
-                        break
-                    what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
-                    if r.status in (401, 403):
-                        raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused the "
-                                           f"request ({what}): {key_hint(self.api_key)}")
-                    if r.status not in RETRY_STATUSES:
-                        raise ExtractError(f"{self.shard}: the extraction server at {self.url} refused trace "
-                                           f"{rid!r} ({len(ids)} tokens): {what}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
-            if attempt == self.max_retries:
-                raise ExtractError(
-                    f"{self.shard}: the extraction server at {self.url} stopped answering ({what}) after "
-                    f"{self.sent} sequences sent by this run; {len(self.done)} of {len(self.seqs)} finished "
-                    f"sequences are kept in {self.writer.partial}; restart the server and rerun")
-            await asyncio.sleep(min(30.0, 2.0 ** attempt) * random.uniform(0.5, 1.0))
-        path = ((answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}).get("hidden_states_path")
-        if not path:
-            raise ExtractError(f"{self.shard}: the server at {self.url} answered trace {rid!r} without "
-                               "kv_transfer_params.hidden_states_path: it is not an extraction server "
-                               "(hidden.backend: vllm needs the one the workflow starts, see hidden_server.ready)")
-        path = Path(path).resolve()
-        if path.parent != self.storage:
-            raise ExtractError(f"{self.shard}: the server at {self.url} wrote trace {rid!r}'s states to {path}, "
-                               f"outside {self.storage}, the directory this workflow gave it; refusing to read it")
-        return path
+        kept = (f"{len(self.done)} of {len(self.seqs)} finished sequences are kept in {self.writer.partial}; "
+                "restart the server and rerun")
+        return await self.client.request(session, rid, ids, f"{self.prefix}{k}", where=self.shard,
+                                         sent=self.sent, kept=kept)
 
     def _store(self, k, path):
         rid, ids, n_prompt = self.seqs[k]
-        try:
-            try:
-                data = read_states(path)
-            except FileNotFoundError:
-                raise ExtractError(f"{self.shard}: the extraction server at {self.url} answered trace {rid!r} "
-                                   f"but never wrote {path} (did it die?); {len(self.done)} finished sequences "
-                                   f"are kept in {self.writer.partial}; restart the server and rerun") from None
-            got = data["token_ids"]
-            if got.shape != (len(ids),) or not torch.equal(got.long(), torch.from_numpy(ids)):
-                raise ExtractError(
-                    f"{self.shard}: trace {rid!r}: the extraction server returned states for other tokens "
-                    f"than those sent ({len(ids)} sent, {got.numel()} returned, first difference at "
-                    f"{_first_difference(got, ids)}) in {path}; is prefix caching or chunked prefill on? "
-                    f"Restart the extraction server and rerun")
-            states = data["hidden_states"]  # [T, layers, H]
-            if tuple(states.shape) != (len(ids), len(self.ids_wanted), self.hidden_size):
-                raise ExtractError(
-                    f"{self.shard}: trace {rid!r}: {path} holds hidden_states {list(states.shape)}, expected "
-                    f"{[len(ids), len(self.ids_wanted), self.hidden_size]} (layers {self.ids_wanted}): the "
-                    f"server was started for other layers; stop it and rerun")
-        finally:
-            remove_states(path)
+        kept = f"{len(self.done)} finished sequences are kept in {self.writer.partial}; restart the server and rerun"
+        aux, last = self.client.states(path, rid, ids, where=self.shard, kept=kept)
         n = len(ids)
-        aux = states[:, :-1].reshape(n, -1).to(torch.bfloat16)
-        last = final_norm(states[:, -1], *self.norm).to(torch.bfloat16)
         row, w = int(self.offsets[k]), self.writer
         w.write_rows("aux_hidden", row, aux)
         w.write_rows("last_hidden", row, last)
@@ -337,6 +266,114 @@ class _Run:
             self.sent += 1
             self.tokens_sent += n
             self.pbar.update(n)
+
+
+class StatesClient:
+    """Requests one sequence's states from the extraction server and reads them back, as the shard
+    holds them: the aux layers concatenated and the final layer through the target's final norm (bf16).
+
+    Shared by the shard writer (``extract_hidden_vllm``) and stream-mode training (``stream.py``), so
+    both train on the same numbers. Errors name the server's URL, ``where`` (a shard, or training) and
+    ``kept`` (what is kept and what to do)."""
+
+    def __init__(self, *, url, model, storage, head_path, request_timeout, max_retries, api_key):
+        head, info = load_target_head(head_path)
+        self.url, self.model, self.storage = url.rstrip("/"), model, Path(storage).resolve()
+        self.ids_wanted, self.hidden_size = layer_ids(info), int(info["hidden_size"])
+        self.aux_layers = self.ids_wanted[:-1]
+        self.norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
+        self.info = info
+        self.request_timeout, self.max_retries, self.api_key = request_timeout, max_retries, api_key
+
+    def session(self, concurrency):
+        """The aiohttp session for ``concurrency`` requests in flight (enter it in the running loop)."""
+        import aiohttp
+
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=min(30.0, self.request_timeout))
+        return aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=KEEPALIVE_S),
+                                     cookie_jar=aiohttp.DummyCookieJar())
+
+    def file_bytes(self, n_tokens):
+        """The most one per-request file of ``n_tokens`` takes on disk ([T, layers, H] at up to 4 bytes)."""
+        return n_tokens * len(self.ids_wanted) * self.hidden_size * 4 + 4096
+
+    async def request(self, session, rid, ids, prefix, *, where, sent, kept):
+        """Send the token ids ``ids`` (trace ``rid``); return the path of the per-request file."""
+        import aiohttp
+
+        body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0}
+        for attempt in range(self.max_retries + 1):
+            req_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
+            try:
+                async with session.post(self.url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": req_id}) as r:
+                    raw = await r.read()
+                    if r.status == 200:
+                        answer = await r.json(content_type=None)
+                        break
+                    what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
+                    if r.status in (401, 403):
+                        raise ExtractError(f"{where}: the extraction server at {self.url} refused the "
+                                           f"request ({what}): {key_hint(self.api_key)}")
+                    if r.status not in RETRY_STATUSES:
+                        raise ExtractError(f"{where}: the extraction server at {self.url} refused trace "
+                                           f"{rid!r} ({len(ids)} tokens): {what}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
+            if attempt == self.max_retries:
+                raise ExtractError(
+                    f"{where}: the extraction server at {self.url} stopped answering ({what}) after "
+                    f"{sent} sequences sent by this run; {kept}")
+            await asyncio.sleep(min(30.0, 2.0 ** attempt) * random.uniform(0.5, 1.0))
+        path = ((answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}).get("hidden_states_path")
+        if not path:
+            raise ExtractError(f"{where}: the server at {self.url} answered trace {rid!r} without "
+                               "kv_transfer_params.hidden_states_path: it is not an extraction server "
+                               "(hidden.backend: vllm needs the one the workflow starts, see hidden_server.ready)")
+        path = Path(path).resolve()
+        if path.parent != self.storage:
+            raise ExtractError(f"{where}: the server at {self.url} wrote trace {rid!r}'s states to {path}, "
+                               f"outside {self.storage}, the directory this workflow gave it; refusing to read it")
+        return path
+
+    def states(self, path, rid, ids, *, where, kept):
+        """``(aux bf16 [n, 3H], last bf16 [n, H])`` of the file at ``path``, which is deleted."""
+        try:
+            try:
+                data = read_states(path)
+            except FileNotFoundError:
+                raise ExtractError(f"{where}: the extraction server at {self.url} answered trace {rid!r} "
+                                   f"but never wrote {path} (did it die?); {kept}") from None
+            got = data["token_ids"]
+            if got.shape != (len(ids),) or not torch.equal(got.long(), torch.from_numpy(ids)):
+                raise ExtractError(
+                    f"{where}: trace {rid!r}: the extraction server returned states for other tokens "
+                    f"than those sent ({len(ids)} sent, {got.numel()} returned, first difference at "
+                    f"{_first_difference(got, ids)}) in {path}; is prefix caching or chunked prefill on? "
+                    f"Restart the extraction server and rerun")
+            states = data["hidden_states"]  # [T, layers, H]
+            if tuple(states.shape) != (len(ids), len(self.ids_wanted), self.hidden_size):
+                raise ExtractError(
+                    f"{where}: trace {rid!r}: {path} holds hidden_states {list(states.shape)}, expected "
+                    f"{[len(ids), len(self.ids_wanted), self.hidden_size]} (layers {self.ids_wanted}): the "
+                    f"server was started for other layers; stop it and rerun")
+        finally:
+            remove_states(path)
+        n = len(ids)
+        aux = states[:, :-1].reshape(n, -1).to(torch.bfloat16)
+        last = final_norm(states[:, -1], *self.norm).to(torch.bfloat16)
+        return aux, last
+
+    def remove_orphans(self, prefix):
+        """Per-request files whose request id starts with ``prefix`` (their client is gone)."""
+        for p in glob.glob(str(self.storage / (glob.escape(prefix) + "*"))) + \
+                glob.glob(str(self.storage / ("cmpl-" + glob.escape(prefix) + "*"))):
+            if p.endswith(".safetensors"):
+                remove_states(p)
 
 
 def _first_difference(got, ids):

@@ -2,7 +2,9 @@
 
 Straight-line loop: read a batch (memory-mapped shards), compute the target's distribution once
 (``lm_head(last_hidden)``, restricted to the draft vocabulary), run the TTT forward, step AdamW.
-A killed run resumes from ``state_dir/step_{n}.pt`` (model, optimizer, RNG, step; the data order
+In ``hidden.mode: stream`` the shards are a ``stream.StreamedStates`` instead: the same sequences,
+their states fetched from the extraction server ahead of the loader (it is told the order), so the
+batches, and the draft, are those files mode makes from the shards. A killed run resumes from ``state_dir/step_{n}.pt`` (model, optimizer, RNG, step; the data order
 is a function of the seed, the epoch and the step), which lies outside the declared outputs and is
 removed once the checkpoint is written. Under torchrun (WORLD_SIZE > 1) the batches are dealt to
 the ranks in turn, gradients are averaged by DDP and rank 0 writes.
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import defaults
+from .errors import EaglenestError
 from .hidden import HiddenShards
 from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
 from .optim import MasterAdamW
@@ -256,10 +259,22 @@ class BatchLoader:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.staged = None  # the next batch, its copy to the device under way
         self.stream = micro_batch_stream(lengths, cfg, start=start)
+        if hasattr(shards, "follow"):  # streamed states: fetched in the order this rank reads them
+            shards.follow(self._order(lengths, cfg, start, count, rank, world))
         self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train_draft-loader", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _order(lengths, cfg, start, count, rank, world):
+        """The sequence indices this rank's ``count`` micro-batches read, in reading order."""
+        stream = micro_batch_stream(lengths, cfg, start=start)
+        for _ in range(count):
+            for r in range(world):
+                _, seq_ids = next(stream)
+                if r == rank:
+                    yield from seq_ids
 
     def _put(self, item):
         while not self.stopping.is_set():
@@ -311,6 +326,8 @@ class BatchLoader:
                     return False
                 if not self.thread.is_alive() and self.queue.empty():
                     raise RuntimeError("train_draft: the batch loader thread ended without a batch") from None
+        if isinstance(item, EaglenestError):
+            raise item  # says what failed and what to do (the extraction server of stream mode)
         if isinstance(item, BaseException):
             raise RuntimeError(f"train_draft: reading a batch from {[str(p) for p in self.shards.paths]} failed: {item}") from item
         epoch, tokens, batch = item
@@ -338,6 +355,8 @@ class BatchLoader:
 
     def close(self):
         self.stopping.set()
+        if hasattr(self.shards, "follow"):
+            self.shards.close()
         while self.thread.is_alive():
             try:
                 self.queue.get(timeout=0.1)
@@ -388,7 +407,8 @@ def _fingerprint(cfg, shards, vocab_path, head_path, world):
         "micro_batches_per_step": cfg["grad_accum"] * world,
         # Size and modification time, as make and Snakemake judge files: rewritten shards (even of the
         # same size) are other data. Hashing their content would read hundreds of GB at real scale.
-        "shards": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards.paths],
+        "shards": shards.fingerprint_facts() if hasattr(shards, "fingerprint_facts") else
+                  [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards.paths],
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
         "head": (Path(head_path).stat().st_size, Path(head_path).stat().st_mtime_ns),
     }
@@ -416,9 +436,13 @@ def _write_metrics(path, rows):
     write_atomic(path, buf.getvalue())
 
 
-def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True) -> dict:
+def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
+                stream=None) -> dict:
     """Train the draft; write ``out_path`` (safetensors: the draft's vLLM tensors, config in the
-    metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary."""
+    metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary.
+
+    ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
+    from the extraction server instead of shards."""
     cfg = resolve_config(config)
     t_start = time.time()
     world, rank, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -433,7 +457,12 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     head, info = load_target_head(head_path)
     d2t, t2d = load_vocab(vocab_path)
-    shards = HiddenShards(hidden_paths)
+    if stream is not None:
+        from .stream import open_stream
+
+        shards = open_stream(stream)
+    else:
+        shards = HiddenShards(hidden_paths)
     if len(t2d) != info["vocab_size"]:
         raise ValueError(f"{vocab_path}: t2d covers {len(t2d)} tokens, the target ({head_path}) has {info['vocab_size']}")
     if shards.aux_layers != info["aux_layers"] or shards.hidden_size != info["hidden_size"]:
@@ -589,6 +618,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     finally:
         loader.close()
     flush()
+    if stream is not None:
+        say(shards.summary())
     bar.close()
 
     seconds = time.time() - t_start
@@ -604,6 +635,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         "acc": [last[f"acc_{j}"] for j in range(J)],
         "sequences": len(shards),
     }
+    if stream is not None:
+        stats["stream"] = {**shards.counts, "peak_disk_bytes": shards.peak_bytes, "wait_s": round(shards.t_wait, 2)}
     if rank == 0:
         weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
@@ -645,7 +678,8 @@ def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m eaglenest.train")
-    p.add_argument("--hidden", nargs="+", required=True)
+    p.add_argument("--hidden", nargs="*", default=[])
+    p.add_argument("--stream", default=None, help="hidden.mode stream: stream.open_stream's settings as JSON")
     p.add_argument("--vocab", required=True)
     p.add_argument("--head", required=True)
     p.add_argument("--out", required=True)
@@ -655,7 +689,7 @@ def main(argv=None):
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
     train_draft(a.hidden, a.vocab, a.out, a.metrics, head_path=a.head, config=json.loads(a.config),
-                state_dir=a.state_dir, device=a.device)
+                state_dir=a.state_dir, device=a.device, stream=json.loads(a.stream) if a.stream else None)
 
 
 if __name__ == "__main__":

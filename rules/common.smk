@@ -31,7 +31,20 @@ SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's 
 # pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
 VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
 HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
-HIDDEN_STATES_DIR = "hidden/.vllm_states"
+HIDDEN_STATES_DIR = config["hidden"]["states_dir"]
+# hidden.mode stream: no shards; train_draft reads the states from the running extraction server.
+STREAM = config["hidden"]["mode"] == "stream"
+# hidden: keys of stream mode and of the extraction server's placement (none changes a shard's content)
+STREAM_KEYS = ("mode", "max_disk_gb", "cache", "stream_ahead", "placement", "states_dir", "server_env",
+               "gpu_memory_utilization")
+if STREAM and not VLLM_HIDDEN:
+    raise WorkflowError("hidden.mode: stream takes the states from the vLLM extraction server: set hidden.backend: vllm "
+                        "(or hidden.mode: files to use the transformers backend)")
+if STREAM and {"node": "local", "slurm": "slurm"}[config["hidden"]["placement"]] != config["server"]["mode"]:
+    raise WorkflowError(
+        f"hidden.placement: {config['hidden']['placement']} needs server.mode: "
+        f"{ {'node': 'local', 'slurm': 'slurm'}[config['hidden']['placement']]} (it is {config['server']['mode']!r}): "
+        "node runs the extraction server beside the trainer, slurm as its own SLURM job; make the two agree")
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
@@ -92,8 +105,32 @@ def dataset_files(wildcards):
 
 
 def hidden_server_stopped():
-    """GPU work after extraction waits until the extraction server has released the GPUs."""
-    return ["hidden_server.stopped"] if VLLM_HIDDEN else []
+    """GPU work after extraction waits until the extraction server has released the GPUs (in stream
+    mode training needs the server: the work after training waits instead)."""
+    return ["hidden_server.stopped"] if VLLM_HIDDEN and not STREAM else []
+
+
+def train_inputs():
+    """What train_draft reads besides the vocabulary and the head: the shards, or (stream) the traces
+    and the running extraction server."""
+    if STREAM:
+        return {"traces": expand("traces/shard_{i}.jsonl", i=SHARDS), "ready": "hidden_server.ready"}
+    return {"hidden": expand("hidden/shard_{i}.safetensors", i=SHARDS), "hidden_server_stopped": hidden_server_stopped()}
+
+
+def stream_params():
+    """Stream mode: what makes the sequences and the states vLLM computes (as for the shards), so a
+    change retrains; files mode: nothing (its params stay as they were)."""
+    if not STREAM:
+        return {}
+    return {"stream": {**{k: config["hidden"][k] for k in ("max_length", "use_truncated")},
+                       **{k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")}}}
+
+
+def after_training():
+    """Stream mode: the work after training (export, then validation on the GPUs) waits until the
+    extraction server training used has stopped."""
+    return ["hidden_server.stopped"] if STREAM else []
 
 
 def stop_server_on_exit(why):

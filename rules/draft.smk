@@ -17,10 +17,9 @@ rule build_vocab:
 
 rule train_draft:
     input:
-        hidden=expand("hidden/shard_{i}.safetensors", i=SHARDS),
+        **train_inputs(),
         vocab="draft/vocab.safetensors",
         head="hidden/target_head.safetensors",
-        hidden_server_stopped=hidden_server_stopped(),
     output:
         checkpoint="draft/checkpoint.safetensors",
         metrics="draft/train_metrics.csv",
@@ -29,6 +28,7 @@ rule train_draft:
         nproc=train_processes(),
         norm_before_residual=config["draft"]["norm_before_residual"],
         state_dir="draft/.train_state",
+        **stream_params(),
     threads: all_cores()
     resources:
         gpu=gpus("train"),
@@ -46,6 +46,7 @@ rule export_draft:
     """The trained draft in each format export.format asks for, from the same weights."""
     input:
         "draft/checkpoint.safetensors",
+        after_training(),
     output:
         **{f: directory(d) for f, d in draft_dirs().items()},
     params:

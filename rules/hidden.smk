@@ -65,9 +65,10 @@ if VLLM_HIDDEN:
             "../scripts/extract_hidden_vllm.py"
 
     rule stop_hidden_server:
-        """Stops the extraction server once the last shard is extracted: training waits on this edge."""
+        """Stops the extraction server once the last shard is extracted (training waits on this edge),
+        or in stream mode once training, which reads from it, is done (export waits on it)."""
         input:
-            expand("hidden/shard_{i}.safetensors", i=SHARDS),
+            "draft/checkpoint.safetensors" if STREAM else expand("hidden/shard_{i}.safetensors", i=SHARDS),
         output:
             "hidden_server.stopped",
         params:
@@ -94,7 +95,7 @@ else:
             aux_layers=config["draft"]["aux_layers"],
             hidden={k: v for k, v in config["hidden"].items()
                     if k not in ("temporary", "device", "batch_tokens", "gpus", "backend", "concurrency", "port",
-                                 "request_timeout", "max_retries")},
+                                 "request_timeout", "max_retries", *STREAM_KEYS)},
         resources:
             gpu=gpus("hidden"),
         conda:

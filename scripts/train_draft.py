@@ -1,7 +1,9 @@
-"""Train the EAGLE-3 draft on the hidden-state shards: one process, or torchrun over train.nproc."""
+"""Train the EAGLE-3 draft on the hidden-state shards, or (hidden.mode: stream) on states streamed
+from the running extraction server: one process, or torchrun over train.nproc."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from eaglenest.logs import to_log
 
@@ -10,6 +12,7 @@ to_log(snakemake.log[0])
 import torch
 
 from eaglenest.gpus import hold_gpus
+from eaglenest.server import ServerConfig, check_sentinel
 from eaglenest.train import train_draft
 from eaglenest.util import say
 
@@ -18,15 +21,25 @@ hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 
 config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
 nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]
-args = dict(hidden=list(snakemake.input.hidden), vocab=snakemake.input.vocab, head=snakemake.input.head,
+stream = None
+if snakemake.params.get("stream"):
+    h, server = snakemake.config["hidden"], snakemake.config["server"]
+    ready = check_sentinel(snakemake.input.ready, ServerConfig.from_dict(server).api_key())
+    stream = {"traces": list(snakemake.input.traces), "url": ready["urls"][0], "model": ready["model"],
+              "head": snakemake.input.head, "storage": ready["states_dir"], "server": server,
+              **{k: h[k] for k in ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries",
+                                   "max_disk_gb", "cache")},
+              "ahead_tokens": h["stream_ahead"] * config["batch_tokens"],
+              "cache_dir": str(Path(snakemake.params.state_dir) / "stream_cache")}
+args = dict(hidden=list(snakemake.input.get("hidden", [])), vocab=snakemake.input.vocab, head=snakemake.input.head,
             out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir)
 if nproc > 1:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "eaglenest.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
            "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"],
-           "--config", json.dumps(config), "--device", device]
+           "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
     say("launching: " + " ".join(cmd))
     sys.exit(subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode)
 torch.set_num_threads(max(1, snakemake.threads))
 train_draft(args["hidden"], args["vocab"], args["out"], args["metrics"], head_path=args["head"],
-            state_dir=args["state_dir"], config=config, device=device)
+            state_dir=args["state_dir"], config=config, device=device, stream=stream)

@@ -1,0 +1,194 @@
+"""hidden.mode: stream against real vLLM (the toy on CPU, float32), through the real workflow.
+
+One working directory runs files mode up to draft/checkpoint (trace server, extraction server,
+shards, training); a second takes its prompts and traces (copied, mtimes kept) and trains in stream
+mode with hidden.max_disk_gb set to a quarter of one shard, while a thread measures the disk its
+per-request files and cache take. Same traces, seed and settings: the same batches in the same
+order, so the same draft; both drafts are then served with the target and their acceptance lengths
+read from vLLM's counters. A third directory is killed twice: kill -9 of the training job, then
+kill -9 of the extraction server mid-training; each rerun resumes from the last saved state.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+import yaml
+
+from conftest import descendants_running, free_port, run_snakemake, snakemake_cmd, write_config
+from eaglenest.server import LocalPaths, ServerConfig, read_pidfile
+from eaglenest.train import load_checkpoint
+from eaglenest.validate import measure_run, read_prompts, request_settings
+from eaglenest.vllm_format import speculative_config
+
+pytestmark = pytest.mark.vllm
+K = 3
+CHECKPOINT = "draft/checkpoint.safetensors"
+# About two epochs of the 300 toy traces, so later epochs read sequences again (cache or re-extraction).
+TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 10}
+COMMON = dict(dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64}, train=TRAIN)
+
+
+def _disk_use(dirs):
+    total = 0
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
+    return total
+
+
+class PeakDisk:
+    """The most bytes the files under ``dirs`` took at once, sampled every few milliseconds."""
+
+    def __init__(self, dirs):
+        self.dirs, self.peak, self.samples = dirs, 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _disk_use(self.dirs))
+            self.samples += 1
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def _stream_copy(src, dst, port, **hidden):
+    """A working directory with ``src``'s prompts and traces, configured for stream mode."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load((src / "config.yaml").read_text())
+    cfg["hidden"].update({"mode": "stream", **hidden})
+    cfg["server"]["port"] = port
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    for part in ("data", "traces"):
+        shutil.copytree(src / part, dst / part)
+    shutil.copy2(src / "server.stopped", dst / "server.stopped")
+    return cfg
+
+
+def _train_seconds(wd):
+    return load_checkpoint(wd / CHECKPOINT)[3]["seconds"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    wd_f, wd_s = tmp_path_factory.mktemp("files"), tmp_path_factory.mktemp("stream")
+    cfg = write_config(wd_f, server={"port": free_port()}, hidden={"backend": "vllm", "dtype": "float32"}, **COMMON)
+    run_snakemake(wd_f, CHECKPOINT, timeout=1500)
+    shard = wd_f / "hidden/shard_0.safetensors"
+    budget = shard.stat().st_size / 4
+    _stream_copy(wd_f, wd_s, cfg["server"]["port"], max_disk_gb=budget / 1e9)
+    plan = run_snakemake(wd_s, CHECKPOINT, "-n")
+    assert "rule generate_traces:" not in plan.stdout and "rule extract_hidden" not in plan.stdout, plan.stdout[-3000:]
+    # hidden states on disk: the per-request files and the cache (target_head.safetensors is no state)
+    with PeakDisk([wd_s / "hidden/.vllm_states", wd_s / "draft/.train_state/stream_cache"]) as peak:
+        run_snakemake(wd_s, CHECKPOINT, timeout=1500)
+    result = {"files": wd_f, "stream": wd_s, "budget": budget, "shard_bytes": shard.stat().st_size,
+              "stream_peak": peak.peak, "samples": peak.samples,
+              "seconds": {"files": _train_seconds(wd_f), "stream": _train_seconds(wd_s)}}
+    print("\nstream vs files:", json.dumps({k: str(v) for k, v in result.items()}))
+    return result
+
+
+def test_stream_mode_trains_the_files_mode_draft_under_the_disk_budget(runs):
+    wd_f, wd_s = runs["files"], runs["stream"]
+    assert not list((wd_s / "hidden").glob("shard_*")), "stream mode wrote no shard"
+    assert runs["samples"] > 100
+    assert 0 < runs["stream_peak"] <= runs["budget"] < runs["shard_bytes"], runs
+    log = (wd_s / "logs/train_draft.log").read_text()
+    summary = [line for line in log.splitlines() if line.startswith("stream:")]
+    assert summary and "re-extracted" in summary[-1], log[-2000:]
+    # the states directory and the cache are empty once training is done
+    assert _disk_use([wd_s / "hidden/.vllm_states", wd_s / "draft/.train_state"]) == 0
+    a, b = load_checkpoint(wd_f / CHECKPOINT)[0], load_checkpoint(wd_s / CHECKPOINT)[0]
+    assert a.keys() == b.keys()
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    print(f"\nlargest weight difference files vs stream: {diff:.3g}; {summary[-1]}")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_stream_and_files_drafts_reach_the_same_acceptance_in_vllm(runs):
+    cfg = yaml.safe_load((runs["files"] / "config.yaml").read_text())
+    server = ServerConfig.from_dict(cfg["server"])
+    prompts = read_prompts(runs["files"] / "data/prompts/heldout.jsonl")
+    settings = request_settings(cfg["generation"]["max_tokens"])
+    acc = {}
+    for name in ("files", "stream"):
+        wd = runs[name]
+        run_snakemake(wd, "draft/checkpoint")
+        run = measure_run(name, server, speculative_config("eagle3", K, wd / "draft/checkpoint"), prompts, settings,
+                          log_dir=wd / "logs/validate", concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
+        acc[name] = run["acceptance_length"]
+    print("\nacceptance:", acc, "training seconds:", runs["seconds"])
+    assert acc["files"] >= 1.5, acc  # a trained draft, not a random one
+    assert abs(acc["files"] - acc["stream"]) <= 0.05, acc
+
+
+def _run_until(wd, saved_step, what):
+    """Start the workflow; once ``step_{saved_step}.pt`` is saved, call ``what(proc)``; return its output."""
+    proc = subprocess.Popen(snakemake_cmd(wd, CHECKPOINT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not (wd / f"draft/.train_state/step_{saved_step}.pt").exists():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no saved state within 15 minutes"
+            time.sleep(0.1)
+        what(proc)
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode != 0, out[-3000:]
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_9_of_training_then_a_dead_extraction_server_each_rerun_resumes(runs, tmp_path):
+    wd = tmp_path / "killed"
+    cfg = _stream_copy(runs["stream"], wd, free_port(), max_disk_gb=runs["budget"] / 1e9)
+
+    def kill_training(proc):
+        jobs = descendants_running(proc.pid, "train_draft.py")
+        assert jobs, "the train_draft job of this workflow is running"
+        for pid in jobs:
+            os.kill(pid, signal.SIGKILL)
+
+    _run_until(wd, 10, kill_training)
+    assert not (wd / CHECKPOINT).exists()
+
+    def kill_server(proc):
+        record = read_pidfile(LocalPaths(wd / "logs/hidden_server"))
+        assert record, "the extraction server's pidfile"
+        os.killpg(record["pgid"], signal.SIGKILL)  # a process group this test's workflow started
+
+    # the rerun resumes from step 10; its server dies once it has saved step 20
+    _run_until(wd, 20, kill_server)
+    log = (wd / "logs/train_draft.log").read_text()
+    assert "resuming from" in log and "step_10.pt" in log, log[-3000:]
+    url = f"http://127.0.0.1:{cfg['server']['port'] + 1}"
+    assert f"the extraction server at {url}" in log and "rerun" in log, log[-3000:]
+    assert "Traceback" not in log.split("resuming from")[-1], log[-3000:]
+    run_snakemake(wd, CHECKPOINT, timeout=1500)
+    log = (wd / "logs/train_draft.log").read_text()
+    assert "resuming from" in log and "(step 20 of 60)" in log, log[-3000:]
+    a, b = load_checkpoint(runs["stream"] / CHECKPOINT)[0], load_checkpoint(wd / CHECKPOINT)[0]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)

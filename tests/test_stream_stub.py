@@ -1,0 +1,170 @@
+"""Stream mode's client logic against a stub extraction server (fast; the real-vLLM runs are in
+test_stream.py). The stub is needed where a test must control what a real server cannot be made to
+do on demand: answer a fixed number of requests and then die, or count exactly which sequences were
+asked for. Its states are a deterministic function of the token ids (seeded noise), so files mode
+(shards written by ``extract_hidden_vllm`` from the same stub) and stream mode see the same numbers:
+the checkpoints must then be bit-identical, the batches being the same in the same order."""
+import json
+import os
+import random
+import zlib
+
+import pytest
+import torch
+from aiohttp import web
+from safetensors.torch import save_file
+
+from conftest import TOY_TARGET, free_port
+from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm
+from eaglenest.target import save_target_head
+from eaglenest.train import load_checkpoint, train_draft
+from eaglenest.vllm_connector import storage_dir
+from eaglenest.vocab import build_vocab
+from test_extract_vllm_stub import StubExtractionServer
+
+CONFIG = {"ttt_length": 2, "batch_tokens": 256, "max_steps": 16, "save_every": 4, "lr": 3e-3, "warmup_steps": 2,
+          "seed": 1}
+
+
+class SeededStub(StubExtractionServer):
+    """States seeded by the token ids; ``die_after`` requests, then every answer is a 503."""
+
+    def __init__(self, *args, die_after=None, **kw):
+        super().__init__(*args, **kw)
+        self.die_after, self.asked = die_after, []
+
+    async def completions(self, request):
+        body = await request.json()
+        ids = list(body["prompt"])
+        if self.die_after is not None and self.requests >= self.die_after:
+            return web.json_response({"error": "engine dead"}, status=503)
+        self.requests += 1
+        self.asked.append(tuple(ids))
+        g = torch.Generator().manual_seed(zlib.crc32(json.dumps(ids).encode()))
+        path = self.storage / f"cmpl-{request.headers.get('X-Request-Id', 'x')}-0.safetensors"
+        save_file({"hidden_states": torch.randn(len(ids), self.layers, self.hidden, generator=g),
+                   "token_ids": torch.tensor(ids)}, str(path))
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": str(path)}})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    rng = random.Random(0)
+    traces = []
+    for s in range(2):
+        path = root / f"shard_{s}.jsonl"
+        with open(path, "w") as f:
+            for i in range(20):
+                prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(3, 12))]
+                completion = [rng.randrange(3, 100) for _ in range(rng.randrange(4, 40))]
+                f.write(json.dumps({"id": f"s{s}-{i}", "prompt_token_ids": prompt, "completion_token_ids": completion}) + "\n")
+        traces.append(path)
+    head = root / "target_head.safetensors"
+    save_target_head(str(TOY_TARGET), head, aux_layers=[1, 2, 3])
+    vocab = root / "vocab.safetensors"
+    build_vocab(traces, vocab, target_vocab_size=json.loads(head.with_suffix(".json").read_text())["vocab_size"],
+                draft_vocab_size=40)
+    return {"root": root, "traces": traces, "head": head, "vocab": vocab}
+
+
+def _spec(data, stub, **over):
+    return {"traces": [str(p) for p in data["traces"]], "url": stub.url, "model": "toy", "head": str(data["head"]),
+            "storage": str(stub.storage), "server": {}, "max_length": 64, "use_truncated": True, "concurrency": 3,
+            "request_timeout": 30, "max_retries": 0, "max_disk_gb": 200e3 / 1e9, "cache": True, "ahead_tokens": 512,
+            "cache_dir": str(data["root"] / "cache"), **over}
+
+
+def _train(data, out, stream=None, hidden=()):
+    return train_draft(list(hidden), data["vocab"], out / "checkpoint.safetensors", out / "metrics.csv",
+                       head_path=data["head"], config=CONFIG, state_dir=out / "state", device="cpu", progress=False,
+                       stream=stream)
+
+
+@pytest.fixture(scope="module")
+def files_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("files")
+    storage = storage_dir(out / "states")
+    with SeededStub(storage, 4, 128) as stub:
+        shards = []
+        for s, traces in enumerate(data["traces"]):
+            shards.append(out / f"shard_{s}.safetensors")
+            extract_hidden_vllm([traces], shards[-1], url=stub.url, model="toy", head_path=data["head"], storage=storage,
+                                max_length=64, concurrency=3, max_retries=0, progress=False)
+    _train(data, out, hidden=shards)
+    return out, sum(p.stat().st_size for p in shards)
+
+
+def _same(a, b):
+    ta, tb = load_checkpoint(a / "checkpoint.safetensors")[0], load_checkpoint(b / "checkpoint.safetensors")[0]
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_stream_equals_files_bit_for_bit_within_the_budget(data, files_run, tmp_path):
+    files_out, shards_bytes = files_run
+    storage = storage_dir(tmp_path / "states")
+    with SeededStub(storage, 4, 128) as stub:
+        stats = _train(data, tmp_path, stream=_spec(data, stub, storage=str(storage)))
+    assert _same(files_out, tmp_path)
+    s = stats["stream"]
+    assert 0 < s["peak_disk_bytes"] <= 200e3 < shards_bytes, (s, shards_bytes)
+    # 16 steps of 256 tokens go over the ~1000 tokens more than once: what the cache held was read from it,
+    # the rest asked for again
+    assert s["from_cache"] > 0 and s["re_extracted"] > 0, s
+    assert s["extracted"] == stub.requests and s["extracted"] + s["from_cache"] >= 40, s
+    assert list(storage.iterdir()) == [] and not list((data["root"] / "cache").rglob("*.safetensors"))
+
+
+def test_without_cache_every_later_read_is_re_extracted(data, files_run, tmp_path):
+    storage = storage_dir(tmp_path / "states")
+    with SeededStub(storage, 4, 128) as stub:
+        stats = _train(data, tmp_path, stream=_spec(data, stub, storage=str(storage), cache=False))
+    assert _same(files_run[0], tmp_path)
+    assert stats["stream"]["from_cache"] == 0 and stats["stream"]["re_extracted"] > 0
+
+
+def test_a_budget_below_one_request_file_is_refused_with_the_key(data, tmp_path):
+    with SeededStub(storage_dir(tmp_path / "states"), 4, 128) as stub:
+        with pytest.raises(ExtractError, match="hidden.max_disk_gb"):
+            _train(data, tmp_path, stream=_spec(data, stub, max_disk_gb=1e-6))
+        assert stub.requests == 0
+
+
+def test_a_dead_server_stops_training_with_its_url_and_the_rerun_resumes(data, files_run, tmp_path):
+    storage = storage_dir(tmp_path / "states")
+    with SeededStub(storage, 4, 128, die_after=30) as stub:
+        with pytest.raises(ExtractError, match=rf"extraction server at {stub.url} stopped answering.*rerun"):
+            _train(data, tmp_path, stream=_spec(data, stub, storage=str(storage), cache=False))
+    saved = sorted(p.name for p in (tmp_path / "state").glob("step_*.pt"))
+    assert saved, "a state was saved before the server died"
+    with SeededStub(storage, 4, 128) as stub:
+        stats = _train(data, tmp_path, stream=_spec(data, stub, storage=str(storage), cache=False))
+    assert stats["resumed_from"] and stats["resumed_from"] >= 4, stats
+    assert _same(files_run[0], tmp_path)
+    assert list(storage.iterdir()) == []
+
+
+def _ddp_rank(rank, world, port, data, out, spec, config):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train_draft([], data["vocab"], out / "checkpoint.safetensors", out / "metrics.csv", head_path=data["head"],
+                config=config, state_dir=out / "state", device="cpu", progress=False, stream=spec)
+
+
+def test_two_streaming_ranks_equal_one_process_accumulating_two(data, tmp_path):
+    """Under torchrun each rank streams its own micro-batches (own request ids, cache, share of the budget)."""
+    config = {**CONFIG, "max_steps": 4}
+    storage = storage_dir(tmp_path / "states")
+    port = free_port()
+    with SeededStub(storage, 4, 128) as stub:
+        spec = _spec(data, stub, storage=str(storage), cache_dir=str(tmp_path / "cache"))
+        torch.multiprocessing.spawn(_ddp_rank, args=(2, port, data, tmp_path / "ddp", spec, config), nprocs=2)
+        train_draft([], data["vocab"], tmp_path / "one/checkpoint.safetensors", tmp_path / "one/metrics.csv",
+                    head_path=data["head"], config={**config, "grad_accum": 2}, state_dir=tmp_path / "one/state",
+                    device="cpu", progress=False, stream=spec)
+    a = load_checkpoint(tmp_path / "ddp" / "checkpoint.safetensors")[0]
+    b = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")[0]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    assert list(storage.iterdir()) == []
