@@ -56,19 +56,9 @@ def test_train_writes_checkpoint_and_metrics(data, tmp_path):
 
 def test_killed_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
     run(data, tmp_path / "straight")
-    save = train._save_state
-
-    def save_then_die(state_dir, step, state, keep):
-        save(state_dir, step, state, keep)
-        if step == 4:
-            raise KeyboardInterrupt("killed")
-
-    monkeypatch.setattr(train, "_save_state", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        run(data, tmp_path / "killed")
+    interrupted_after_save(data, tmp_path / "killed", monkeypatch, at_step=4)
     assert not (tmp_path / "killed" / "checkpoint.safetensors").exists()
     assert {p.name for p in (tmp_path / "killed" / ".train_state").glob("*.pt")} == {"step_2.pt", "step_4.pt"}
-    monkeypatch.setattr(train, "_save_state", save)
     stats = run(data, tmp_path / "killed")
     assert stats["resumed_from"] == 4
     a = load_checkpoint(tmp_path / "straight" / "checkpoint.safetensors")[0]
@@ -79,22 +69,24 @@ def test_killed_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
     assert [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in ra] == [(r["step"], r["loss"], r["acc_1"], r["lr"]) for r in rb]
 
 
-def interrupted_after_first_save(data, out, monkeypatch):
-    """Train in ``out`` until its first resumable state is saved, then stop there."""
+def interrupted_after_save(data, out, monkeypatch, at_step=None, config=CONFIG):
+    """Train in ``out`` until the resumable state of step ``at_step`` (default: the first) is saved,
+    then stop there."""
     save = train._save_state
 
     def save_then_die(state_dir, step, state, keep):
         save(state_dir, step, state, keep)
-        raise KeyboardInterrupt
+        if at_step is None or step == at_step:
+            raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(train, "_save_state", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        run(data, out)
+        run(data, out, config)
     monkeypatch.setattr(train, "_save_state", save)
 
 
 def test_stale_state_of_another_config_is_ignored(data, tmp_path, monkeypatch):
-    interrupted_after_first_save(data, tmp_path, monkeypatch)
+    interrupted_after_save(data, tmp_path, monkeypatch)
     assert run(data, tmp_path, {**CONFIG, "seed": 4})["resumed_from"] is None
 
 
@@ -103,7 +95,7 @@ def test_state_saved_for_a_shard_whose_content_changed_is_ignored(data, tmp_path
     import shutil
     copy = dict(data, hidden_paths=[tmp_path / "shard_0.safetensors"])
     shutil.copy(data["hidden_paths"][0], copy["hidden_paths"][0])
-    interrupted_after_first_save(copy, tmp_path / "out", monkeypatch)
+    interrupted_after_save(copy, tmp_path / "out", monkeypatch)
     path = copy["hidden_paths"][0]
     size = path.stat().st_size
     _flip_signs_in_place(path)
@@ -228,17 +220,7 @@ def test_bf16_weights_checkpoint_the_fp32_masters_and_resume_exactly(data, tmp_p
     assert a["fc.weight"].dtype == torch.float32 and not torch.equal(a["fc.weight"], a["fc.weight"].bfloat16().float())
     rows = list(csv.DictReader(open(tmp_path / "straight" / "train_metrics.csv")))
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
-    save = train._save_state
-
-    def save_then_die(state_dir, step, state, keep):
-        save(state_dir, step, state, keep)
-        if step == 4:
-            raise KeyboardInterrupt("killed")
-
-    monkeypatch.setattr(train, "_save_state", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        run(data, tmp_path / "killed", config)
-    monkeypatch.setattr(train, "_save_state", save)
+    interrupted_after_save(data, tmp_path / "killed", monkeypatch, at_step=4, config=config)
     assert run(data, tmp_path / "killed", config)["resumed_from"] == 4
     b = load_checkpoint(tmp_path / "killed" / "checkpoint.safetensors")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
