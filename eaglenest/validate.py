@@ -114,13 +114,18 @@ def run_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, 
     }
 
 
-def one_request_speed(run: dict) -> dict:
-    """The figures of a ``run_requests`` result sent one request at a time: output tokens/s and the
-    per-token latency (a request's latency over its output tokens, prefill included, pooled)."""
-    return {"requests": run["requests"], "passes": run["passes"], "completion_tokens": run["completion_tokens"],
-            "wall_s": run["wall_s"], "output_tokens_per_s": run["output_tokens_per_s"],
-            "ms_per_token": 1000 * run["mean_latency_s"] * run["requests"] / max(run["completion_tokens"], 1),
-            "mean_latency_s": run["mean_latency_s"]}
+def one_request_speed(runs: list[dict]) -> dict:
+    """The figures of ``run_requests`` results sent one request at a time: output tokens/s and the
+    per-token latency (a request's latency over its output tokens, prefill included, pooled), of the
+    median run by tokens/s; with several runs, every run's tokens/s too."""
+    run = sorted(runs, key=lambda r: r["output_tokens_per_s"] or 0.0)[len(runs) // 2]
+    out = {"requests": run["requests"], "passes": run["passes"], "completion_tokens": run["completion_tokens"],
+           "wall_s": run["wall_s"], "output_tokens_per_s": run["output_tokens_per_s"],
+           "ms_per_token": 1000 * run["mean_latency_s"] * run["requests"] / max(run["completion_tokens"], 1),
+           "mean_latency_s": run["mean_latency_s"]}
+    if len(runs) > 1:
+        out["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    return out
 
 
 # ----------------------------------------------------------------------------- one vLLM run
@@ -150,11 +155,12 @@ def _reap(pid: int) -> None:
 
 
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None) -> dict:
+                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1) -> dict:
     """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
     the counters around the timed requests, and stop the server (its whole process group) always.
     ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
-    served as the model) rather than ``spec``."""
+    served as the model) rather than ``spec``. ``one_request_runs``: timed one-request phases (the
+    median one is reported; benchmarks/bench_speedup.py takes three)."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -178,12 +184,12 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
             load = os.getloadavg()[0]
             # Both speeds on this one server start (a start costs a minute on a small machine): one
             # request at a time, where users feel speculative decoding, then the configured concurrency.
-            single = run_requests(url, cfg.model_id, prompts, settings, concurrency=1, api_key=api_key,
-                                  min_seconds=min_seconds)
+            singles = [run_requests(url, cfg.model_id, prompts, settings, concurrency=1, api_key=api_key,
+                                    min_seconds=min_seconds) for _ in range(one_request_runs)]
             result = run_requests(url, cfg.model_id, prompts, settings, concurrency=concurrency,
                                   api_key=api_key, min_seconds=min_seconds)
             after = settled_counters(url, api_key)
-            result["one_request"] = one_request_speed(single)
+            result["one_request"] = one_request_speed(singles)
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         finally:
