@@ -87,9 +87,13 @@ def write_validation(draft_dir, report: dict, fmt: str) -> None:
     text = path.read_text().split(VALIDATION_MARK)[0].rstrip() + "\n"
     run = (report.get("formats") or {}).get(fmt) or report.get("eagle3") or {}
     off, base = report.get("offline") or {}, report.get("baseline") or {}
-    speed = (run.get("output_tokens_per_s") / base["output_tokens_per_s"]
-             if run.get("output_tokens_per_s") and base.get("output_tokens_per_s") else None)
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    one = ratio((run.get("one_request") or {}).get("output_tokens_per_s"),
+                (base.get("one_request") or {}).get("output_tokens_per_s"))
+    speed = ratio(run.get("output_tokens_per_s"), base.get("output_tokens_per_s"))
+    concurrency = (report.get("settings") or {}).get("concurrency")
     f3 = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    fx = lambda v: "–" if v is None else f"×{v:.2f}"  # noqa: E731
     lines = [
         VALIDATION_MARK, "", "## Validation (eaglenest)", "",
         f"{report.get('prompts')} held-out prompts, greedy, k = {report.get('num_speculative_tokens')}, "
@@ -99,7 +103,8 @@ def write_validation(draft_dir, report: dict, fmt: str) -> None:
         f"| per-position acceptance | {', '.join(f3(p) for p in run.get('per_position') or []) or '–'} |",
         f"| offline prediction | {f3(off.get('acceptance_length'))} |",
         f"| n-gram speculation in vLLM | {f3((report.get('ngram') or {}).get('acceptance_length'))} |",
-        f"| output tokens/s over the target alone | {'–' if speed is None else f'×{speed:.2f}'} |",
+        f"| output tokens/s over the target alone, one request at a time | {fx(one)} |",
+        f"| output tokens/s over the target alone, {concurrency or 'several'} requests in flight | {fx(speed)} |",
         "",
     ]
     tmp = path.with_name(path.name + ".partial")

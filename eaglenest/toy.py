@@ -1,9 +1,16 @@
 """The embedded toy target: a tiny reasoning Llama that the default workflow serves and drafts for.
 
 It is built from a seed by code in this module: a character-level tokenizer with chat markers and
-`<think>`/`</think>`, a chat template that opens a thinking section like DeepSeek-R1, and a
-4-layer Llama trained on procedurally generated arithmetic (per-digit steps inside the thinking
-section, then the answer). The same generator writes the bundled prompts.
+`<think>`/`</think>`, a chat template that opens a thinking section like DeepSeek-R1, and a deep,
+narrow Llama (28 layers x 128) trained on procedurally generated arithmetic (per-digit steps inside
+the thinking section, then the answer). The same generator writes the bundled prompts.
+
+Depth is what makes the toy a fair speculative-decoding demo: a real target costs tens to hundreds
+of times its one-layer draft, and on a CPU a layer's cost at this width is mostly fixed per-layer
+overhead, so depth (not width) buys cost cheaply while the weights stay small. Training a deep model
+from scratch is slow and fragile, so the build trains a 4-layer model first, grows it to full depth
+with the new layers' output projections at zero (the deep model computes exactly the shallow one's
+function), then trains the deep model briefly so that every layer takes part.
 
     python -m eaglenest.toy --out toy/target --prompts toy/prompts.jsonl --seed 0
 """
@@ -204,17 +211,23 @@ def answer_quality(texts: Sequence[Sequence[int]]) -> dict:
 
 # --- model --------------------------------------------------------------------------------------
 
-def model_config(tok):
+# The shipped depth: 28 layers x 128 cost about 3x the old 4-layer toy per token in vLLM on a
+# 2-core CPU, and their bf16 weights stay under 10 MB. The shallow model trained first has 4.
+LAYERS, BASE_LAYERS = 28, 4
+
+
+def model_config(tok, layers: int = LAYERS):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4,  # head_dim 32: vLLM's CPU attention has it
         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        # float32: greedy decoding stays stable, and vLLM with --dtype float32 reproduces
-        # transformers' greedy tokens exactly (its default downcasts to bfloat16)
+        # float32 compute: greedy decoding stays stable, and vLLM with --dtype float32 reproduces
+        # transformers' greedy tokens exactly (its default downcasts to bfloat16). The weights are
+        # stored in bfloat16 (see save_target), which both upcast on load.
         dtype="float32",
     )
 
@@ -246,32 +259,21 @@ def _batches(tok, rng: random.Random, batch_size: int, pool: int = 8):
             yield ids, labels
 
 
-def build_target(out_dir, seed: int = 0, steps: int = 750, batch_size: int = 64,
-                 lr: float = 1.25e-3, log_every: int = 50, log=print) -> dict:
-    """Train the toy target from seed and save model, tokenizer and chat template to out_dir.
-    Returns a summary (params, steps, seconds, final loss)."""
+def _train(model, batches, steps: int, lr: float, log_every: int, log, name: str) -> float:
+    """AdamW with linear warmup and cosine decay to a tenth; returns the final smoothed loss."""
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
 
-    torch.set_num_threads(2)
-    torch.manual_seed(seed)
-    out_dir = Path(out_dir)
-    tok = build_tokenizer()
-    model = LlamaForCausalLM(model_config(tok))
-    n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(steps // 20, 1)
 
-    def lr_at(step):  # linear warmup, cosine decay to a tenth
+    def lr_at(step):
         if step < warmup:
             return (step + 1) / warmup
         return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    rng = random.Random(f"eaglenest-toy-train-{seed}")
     t0, loss_avg = time.time(), None
     model.train()
-    batches = _batches(tok, rng, batch_size)
     for step in range(1, steps + 1):
         ids, labels = next(batches)
         # No attention mask: padding is on the right, so causal attention never lets a real token
@@ -284,17 +286,85 @@ def build_target(out_dir, seed: int = 0, steps: int = 750, batch_size: int = 64,
         sched.step()
         loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
         if step % log_every == 0 or step == steps:
-            log(f"step {step}/{steps}  loss {loss_avg:.4f}  lr {sched.get_last_lr()[0]:.2e}  "
+            log(f"{name} step {step}/{steps}  loss {loss_avg:.4f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{time.time() - t0:.0f}s")
-    seconds = time.time() - t0
-
     model.eval()
+    return loss_avg
+
+
+def grow(shallow, tok, layers: int):
+    """A `layers`-deep model that computes exactly what `shallow` computes: the shallow layers keep
+    their weights at evenly spread depths; every other layer is freshly initialised except its
+    attention and MLP output projections, which are zero, so it adds nothing to the residual stream
+    until training moves them."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    deep = LlamaForCausalLM(model_config(tok, layers))
+    n = shallow.config.num_hidden_layers
+    slots = {round(i * (layers - 1) / (n - 1)): i for i in range(n)}  # deep index -> shallow index
+    state = deep.state_dict()
+    for name, tensor in shallow.state_dict().items():
+        if not name.startswith("model.layers."):
+            state[name] = tensor.clone()
+    for j in range(layers):
+        prefix = f"model.layers.{j}."
+        if j in slots:
+            src = f"model.layers.{slots[j]}."
+            for name in [k for k in state if k.startswith(prefix)]:
+                state[name] = shallow.state_dict()[src + name[len(prefix):]].clone()
+        else:
+            for proj in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                state[prefix + proj] = torch.zeros_like(state[prefix + proj])
+    deep.load_state_dict(state)
+    return deep
+
+
+def save_target(model, tok, out_dir) -> None:
+    """Save model (bfloat16 weights, a float32 compute dtype in config.json), tokenizer and chat
+    template. bfloat16 halves the shipped size; transformers and vLLM (--dtype float32) both upcast
+    the same rounded weights, so they still agree."""
+    import torch
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model.to(torch.float32)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = "float32"  # save_pretrained writes the weights' dtype
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok.save_pretrained(out_dir)
-    return {"params": n_params, "steps": steps, "seconds": seconds, "loss": loss_avg}
+
+
+def build_target(out_dir, seed: int = 0, steps: int = 750, deep_steps: int = 150,
+                 layers: int = LAYERS, batch_size: int = 64, lr: float = 1.25e-3,
+                 deep_lr: float = 3e-4, log_every: int = 50, log=print) -> dict:
+    """Train the toy target from seed (a BASE_LAYERS model for `steps`, then grown to `layers` and
+    trained for `deep_steps`) and save it to out_dir. Returns a summary (params, steps, seconds,
+    final loss)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    rng = random.Random(f"eaglenest-toy-train-{seed}")
+    batches = _batches(tok, rng, batch_size)
+    t0 = time.time()
+    model = LlamaForCausalLM(model_config(tok, BASE_LAYERS))
+    loss = _train(model, batches, steps, lr, log_every, log, f"{BASE_LAYERS} layers")
+    if layers != BASE_LAYERS:
+        model = grow(model, tok, layers)
+        loss = _train(model, batches, deep_steps, deep_lr, log_every, log, f"{layers} layers")
+    seconds = time.time() - t0
+    save_target(model, tok, out_dir)
+    return {"params": sum(p.numel() for p in model.parameters()), "layers": layers,
+            "steps": steps + (deep_steps if layers != BASE_LAYERS else 0), "seconds": seconds,
+            "loss": loss}
 
 
 # --- evaluation ---------------------------------------------------------------------------------
@@ -354,15 +424,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="toy/target", help="model directory to write")
     ap.add_argument("--prompts", default="toy/prompts.jsonl", help="prompts file to write")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=750)
+    ap.add_argument("--steps", type=int, default=750, help="training steps of the 4-layer model")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="depth of the shipped model")
+    ap.add_argument("--deep-steps", type=int, default=150, help="training steps after growing")
     ap.add_argument("--n-prompts", type=int, default=2000)
     ap.add_argument("--n-eval", type=int, default=200, help="shipped prompts to evaluate on")
     args = ap.parse_args(argv)
 
     write_prompts(args.prompts, args.n_prompts, args.seed)
-    summary = build_target(args.out, seed=args.seed, steps=args.steps)
+    summary = build_target(args.out, seed=args.seed, steps=args.steps, deep_steps=args.deep_steps,
+                           layers=args.layers)
     q = evaluate(args.out, read_prompts(args.prompts)[:args.n_eval])
-    print(f"toy target: {summary['params'] / 1e6:.2f}M params, {summary['steps']} steps, "
+    print(f"toy target: {summary['layers']} layers, {summary['params'] / 1e6:.2f}M params, "
+          f"{summary['steps']} steps, "
           f"{summary['seconds']:.0f}s; on {args.n_eval} prompts: exact {q['exact_match']:.1%}, "
           f"unique {q['unique_fraction']:.1%}, distinct 4-grams {q['distinct_4gram_ratio']:.3f}, "
           f"{q['mean_tokens']:.0f} tokens/completion, eos {q['ended_with_eos']:.0%}", flush=True)

@@ -6,10 +6,12 @@
   starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
   each exported format (the speculators one started as its users start it, ``vllm_format.launch``),
   the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
-  (``traces.answer_prompts``). Per run: output tokens/s (completion tokens / wall time of the timed
-  requests, the prompt set resent until the window lasts ``min_seconds``) and mean latency; for the
-  speculative runs the acceptance from the DIFFERENCE of vLLM's /metrics counters read before and
-  after the timed requests (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
+  (``traces.answer_prompts``). Per run, on one server start: output tokens/s and per-token latency
+  with one request at a time (``one_request``), then output tokens/s and mean latency with
+  ``validate.concurrency`` in flight (completion tokens / wall time of the timed requests, each phase
+  resending the prompt set until its window lasts ``min_seconds``); for the speculative runs the
+  acceptance from the DIFFERENCE of vLLM's /metrics counters read before and after both phases
+  (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
 - the training curves, the cross-checks and the findings (``report``), whether the formats agree;
 - then the acceptance figures go into each draft's model card (``export.write_validation``).
@@ -112,6 +114,20 @@ def run_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, 
     }
 
 
+def one_request_speed(runs: list[dict]) -> dict:
+    """The figures of ``run_requests`` results sent one request at a time: output tokens/s and the
+    per-token latency (a request's latency over its output tokens, prefill included, pooled), of the
+    median run by tokens/s; with several runs, every run's tokens/s too."""
+    run = sorted(runs, key=lambda r: r["output_tokens_per_s"] or 0.0)[len(runs) // 2]
+    out = {"requests": run["requests"], "passes": run["passes"], "completion_tokens": run["completion_tokens"],
+           "wall_s": run["wall_s"], "output_tokens_per_s": run["output_tokens_per_s"],
+           "ms_per_token": 1000 * run["mean_latency_s"] * run["requests"] / max(run["completion_tokens"], 1),
+           "mean_latency_s": run["mean_latency_s"]}
+    if len(runs) > 1:
+        out["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    return out
+
+
 # ----------------------------------------------------------------------------- one vLLM run
 
 
@@ -139,11 +155,12 @@ def _reap(pid: int) -> None:
 
 
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None) -> dict:
+                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1) -> dict:
     """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
     the counters around the timed requests, and stop the server (its whole process group) always.
     ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
-    served as the model) rather than ``spec``."""
+    served as the model) rather than ``spec``. ``one_request_runs``: timed one-request phases (the
+    median one is reported; benchmarks/bench_speedup.py takes three)."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -165,9 +182,14 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                              api_key=api_key)
             before = settled_counters(url, api_key, wait_s=2.0)
             load = os.getloadavg()[0]
+            # Both speeds on this one server start (a start costs a minute on a small machine): one
+            # request at a time, where users feel speculative decoding, then the configured concurrency.
+            singles = [run_requests(url, cfg.model_id, prompts, settings, concurrency=1, api_key=api_key,
+                                    min_seconds=min_seconds) for _ in range(one_request_runs)]
             result = run_requests(url, cfg.model_id, prompts, settings, concurrency=concurrency,
                                   api_key=api_key, min_seconds=min_seconds)
             after = settled_counters(url, api_key)
+            result["one_request"] = one_request_speed(singles)
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         finally:
@@ -183,8 +205,10 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
         if result["drafts"] == 0:
             raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
                                   f"(counters {after}); speculation did not run: see {paths.log}")
-    log(f"{name}: {result['completion_tokens']} tokens ({result['passes']} pass(es)) in {result['wall_s']:.1f} s "
-        f"({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
+    one = result["one_request"]
+    log(f"{name}: one request at a time {one['output_tokens_per_s']:.1f} tok/s ({one['ms_per_token']:.2f} ms/token); "
+        f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
+        f"{result['wall_s']:.1f} s ({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
         + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
     return result
 
@@ -294,6 +318,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         write_validation(path, report, fmt)
     per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
     log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {offline['acceptance_length']:.3f} "
-        f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f}; "
+        f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
+        f"at a time, ×{report['speedup_concurrent']:.2f} at {s['concurrency']} in flight; "
         f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
     return report

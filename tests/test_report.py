@@ -15,10 +15,13 @@ from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline o
 
 RUNS = {
     "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
+                 "one_request": {"output_tokens_per_s": 50.0, "ms_per_token": 20.0, "passes": 1},
                  "answers": [{"completion_token_ids": [1, 2], "prompt_token_ids": [0]}]},
     "eagle3": {"output_tokens_per_s": 180.0, "acceptance_length": 2.5, "acceptance_rate": 0.5,
+               "one_request": {"output_tokens_per_s": 110.0, "ms_per_token": 9.1, "passes": 1},
                "per_position": [0.8, 0.45, 0.25], "answers": []},
     "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 1.3, "acceptance_rate": 0.1,
+              "one_request": {"output_tokens_per_s": 60.0, "ms_per_token": 16.7, "passes": 1},
               "per_position": [0.2, 0.07, 0.03], "answers": []},
 }
 OFFLINE = {"acceptance_length": 2.6, "acceptance_rate": 0.53, "per_position": [0.82, 0.48, 0.3]}
@@ -41,7 +44,10 @@ def test_report_holds_the_promised_keys():
     for name in ("eagle3", "ngram"):
         assert {"acceptance_length", "acceptance_rate", "per_position", "output_tokens_per_s"} <= set(r[name])
     assert "output_tokens_per_s" in r["baseline"] and {"acceptance_length", "per_position"} <= set(r["offline"])
-    assert r["speedup"] == pytest.approx(1.8) and r["agreement"] == pytest.approx(2.5 / 2.6)
+    # the headline speed-up is one request at a time's; the configured concurrency's beside it
+    assert r["speedup"] == pytest.approx(2.2) and r["speedup_concurrent"] == pytest.approx(1.8)
+    assert r["ngram_speedup"] == pytest.approx(1.2) and r["ngram_speedup_concurrent"] == pytest.approx(1.1)
+    assert r["agreement"] == pytest.approx(2.5 / 2.6)
     assert "answers" not in r["baseline"]
     json.dumps(r)  # serialisable as is
     assert r["warnings"] == []
@@ -67,7 +73,12 @@ def test_html_is_self_contained_with_svg_plots(tmp_path):
     r = _report()
     write_report(r, tmp_path / "v.json", tmp_path / "v.html", CURVES)
     html = (tmp_path / "v.html").read_text()
-    assert json.loads((tmp_path / "v.json").read_text())["speedup"] == pytest.approx(1.8)
+    assert json.loads((tmp_path / "v.json").read_text())["speedup"] == pytest.approx(2.2)
+    top = html.index("<h2>Summary</h2>")
+    assert "one request at a time <b>2.20×</b>" in html[:top] and "1.80× with 8 requests in flight" in html[:top]
+    summary = html[top:html.index("<h2>Plots</h2>")]
+    for cell in ("1 request: ms/token", "8 in flight: output tok/s", "<td>9.10</td>", "<td>110.0</td>", "<td>2.20</td>"):
+        assert cell in summary, cell
     assert not re.search(r"https?://", html) and "<script" not in html and "<link" not in html and "<img" not in html
     assert html.count("<svg") == 4  # loss, accuracy, per-position acceptance, throughput
     for title in ("Training loss", "Training top-1 accuracy", "Per-position acceptance rate", "Throughput in vLLM"):
@@ -159,3 +170,11 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
     assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")
     assert [w["kind"] for w in findings({"checks": checks, "prompts": 2})] == ["template", "dtype"]
+
+
+def test_speed_warning_follows_the_one_request_speed_up():
+    slow = {key: {**r, "one_request": {**r["one_request"]}} for key, r in RUNS.items()}
+    slow["eagle3"]["one_request"]["output_tokens_per_s"] = 40.0  # 0.8x the target alone, 1.8x at concurrency
+    (w,) = [w for w in _report(runs=slow)["warnings"] if w["kind"] == "speed"]
+    assert "one request at a time (×0.80" in w["message"]
+    assert not [w for w in _report()["warnings"] if w["kind"] == "speed"]

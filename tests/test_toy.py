@@ -33,11 +33,35 @@ def greedy(tok):
     return rows, toy.greedy_completions(model, tok, [r["conversations"][0]["value"] for r in rows])
 
 
-def test_shipped_target_is_small_float32_llama():
+def test_shipped_target_is_a_small_deep_llama_stored_in_bf16_computing_in_float32():
+    from safetensors import safe_open
+
     config = json.loads((TARGET / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert config["dtype"] == "float32"
+    assert config["dtype"] == "float32"  # what transformers computes in; vLLM gets --dtype float32
+    assert config["num_hidden_layers"] == toy.LAYERS >= 16  # a target that costs many draft steps
+    with safe_open(TARGET / "model.safetensors", "pt") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
     assert sum(f.stat().st_size for f in TARGET.iterdir()) < 10 * 2**20
+
+
+def test_growing_keeps_the_function_and_leaves_no_layer_idle():
+    """grow() is exact (new layers add nothing until trained); the shipped model's grown layers did train."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    tok = toy.build_tokenizer()
+    torch.manual_seed(0)
+    shallow = LlamaForCausalLM(toy.model_config(tok, toy.BASE_LAYERS)).eval()
+    deep = toy.grow(shallow, tok, 10).eval()
+    ids = torch.randint(0, len(tok), (2, 24))
+    with torch.no_grad():
+        assert torch.equal(shallow(ids).logits, deep(ids).logits)
+    shipped = load_file(TARGET / "model.safetensors")
+    for i in range(toy.LAYERS):
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            assert shipped[f"model.layers.{i}.{proj}.weight"].abs().max() > 0, (i, proj)
 
 
 def test_tokenizer_round_trip(tok):

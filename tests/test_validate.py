@@ -60,6 +60,18 @@ def test_client_counts_tokens_and_repeats_until_min_seconds():
         assert len(more["answers"]) == 5  # the first pass's answers
 
 
+def test_one_request_speed_gives_tokens_per_s_and_the_pooled_per_token_latency():
+    run = {"requests": 4, "passes": 1, "completion_tokens": 200, "wall_s": 2.0, "output_tokens_per_s": 100.0,
+           "mean_latency_s": 0.5, "answers": []}
+    one = validate.one_request_speed([run])
+    assert one["ms_per_token"] == pytest.approx(10.0)  # 4 requests x 0.5 s over 200 tokens
+    assert one["output_tokens_per_s"] == 100.0 and "answers" not in one and "runs_output_tokens_per_s" not in one
+    slow, fast = {**run, "output_tokens_per_s": 80.0, "mean_latency_s": 0.6}, {**run, "output_tokens_per_s": 120.0}
+    three = validate.one_request_speed([fast, run, slow])  # the median run's figures, every run's tokens/s
+    assert three["output_tokens_per_s"] == 100.0 and three["ms_per_token"] == pytest.approx(10.0)
+    assert three["runs_output_tokens_per_s"] == [120.0, 100.0, 80.0]
+
+
 def test_client_retries_then_fails_with_the_url_and_status():
     """Validation's requests go through the traces client: its retry policy, its error messages."""
     from stub_server import MODEL, StubServer
