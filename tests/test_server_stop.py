@@ -79,7 +79,8 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
 
 def test_sigint_stops_the_server_through_onerror_before_snakemake_exits(tmp_path):
     wd = tmp_path / "sigint"
-    cfg = write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4})
+    # every bundled prompt: the interrupt must land while the shard is still being generated
+    cfg = write_config(wd, dataset={"limit": 2000, "heldout": 0}, shards=1, generation={"concurrency": 4})
     port = cfg["server"]["port"]
     proc = _start(wd, "traces/shard_0.jsonl")
     try:
