@@ -128,11 +128,12 @@ def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypat
 
 def test_server_args_ask_for_aux_plus_final_layer_and_drop_contradicting_flags(head):
     info = head[1]
-    assert layer_ids(info) == [1, 2, 3, 4]
+    ids = [1, 2, 3, info["num_hidden_layers"]]  # the aux layers, then the final layer (the toy's 28th)
+    assert layer_ids(info) == ids
     args = extraction_server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
                                                "--speculative-config", "{}", "--enable-chunked-prefill"])
     assert args[0] == "--trust-remote-code" and args.count("--speculative-config") == 1
-    assert json.loads(args[args.index("--speculative-config") + 1]) == extraction_speculative_config([1, 2, 3, 4])
+    assert json.loads(args[args.index("--speculative-config") + 1]) == extraction_speculative_config(ids)
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/x"}  # never allow_custom_save_path
     assert args[-2:] == ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
