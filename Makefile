@@ -33,7 +33,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	bash ci/slurm_up.sh
-	$(PY) -m pytest -ra --timeout=1800 tests
+	$(PY) -m pytest -ra --durations=30 --timeout=1800 tests
 
 clean-outputs:
 	rm -rf data traces hidden draft reports logs server.ready server.stopped .snakemake
