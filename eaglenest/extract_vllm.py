@@ -20,7 +20,8 @@ The shard's ``target_next`` (the target's greedy next token from each position) 
 request: ``prompt_logprobs: 1`` makes vLLM return, for each prompt token i >= 1, the top-1 token of
 the target's distribution at position i-1 (its logits, computed by vLLM's own head), and the one
 token it generates (``temperature: 0``, ``return_token_ids``) is the greedy choice from the last
-position. vLLM makes those prompt logits per request at once, outside its memory profile: about
+position. vLLM makes those prompt logits per request at once, beyond what its start-up memory profile
+counts (one row of logits per sequence): about
 ``prompt tokens x vocabulary x 6`` bytes (model-dtype logits and float32 log-probs; 2 GB for 2048
 tokens of a 163,840-token vocabulary), which ``hidden.gpu_memory_utilization`` must leave room for.
 
