@@ -20,9 +20,10 @@ sequences packed end to end along the token axis (T = all kept tokens of the sha
 
 The ``__metadata__`` holds ``format``, ``aux_layers`` (JSON), ``hidden_size``, ``target`` and counts.
 Shards written before ``target_next`` existed lack it and are still read (training then takes
-the argmax over the full vocabulary itself, as it did, see ``train``). A shard costs ``8*H + 13`` bytes per token (plus 8 per sequence); it is written in place (header first,
-then each batch's rows at their offsets) so it is never held whole in memory, under a ``.partial``
-name that is renamed once complete. Readers use ``safe_open`` (memory-mapped).
+the argmax over the full vocabulary itself, as it did, see ``train``). A shard costs ``8*H + 13``
+bytes per token (plus 8 per sequence); it is written in place (header first, then each batch's rows
+at their offsets) so it is never held whole in memory, under a ``.partial`` name that is renamed
+once complete. Readers use ``safe_open`` (memory-mapped).
 
 What training needs of the target's head is saved once, beside the shards, by
 ``target.save_target_head`` (the target itself, its loading and its aux-state capture live in
