@@ -6,9 +6,10 @@ of each trace shard, in shard order: exactly the sequences, and the indices, of 
 would write), so their lengths, hence the batch plan, are known without any hidden state. Training
 hands it the order in which it will read the sequences (``follow``); a background thread then asks
 the server for the states of the upcoming sequences, up to ``ahead_tokens`` tokens ahead of the
-reader and ``concurrency`` requests in flight, and turns each per-request file into rows with the
-same ``StatesClient`` the shard writer uses (same checks, same final norm, same bf16 numbers), so
-stream mode trains on the numbers files mode would have read from the shards.
+reader and ``concurrency`` requests in flight, and turns each per-request file (and the answer's
+greedy tokens, ``target_next``) into rows with the same ``StatesClient`` the shard writer uses (same
+checks, same final norm, same bf16 numbers), so stream mode trains on the numbers files mode would
+have read from the shards.
 
 Disk: the per-request files (deleted once read) and the optional cache of extracted sequences
 (``cache_dir``, reused when a later epoch reads a sequence again instead of asking the server)
