@@ -203,6 +203,9 @@ def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, 
     ``max_elements // rows of the head`` rows at a time.
     """
     B, T, H = last_hidden.shape
+    if target_next is not None and lm_head_weight.shape[0] != len(draft_ids):
+        raise ValueError(f"target_distribution: with target_next the head must be the draft vocabulary's "
+                         f"{len(draft_ids)} rows, got {lm_head_weight.shape[0]}")
     if rows is None:
         rows = loss_rows(loss_mask)
     h = last_hidden.reshape(B * T, H)[rows]

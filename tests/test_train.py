@@ -207,6 +207,8 @@ def test_target_distribution_from_target_next_equals_the_full_vocabulary_one(dty
     # nothing to score: empty, not an error
     none = target_distribution(last, torch.zeros(B, T, dtype=torch.bool), lm_head[draft_ids], draft_ids, t2d, target_next=nxt)
     assert none["probs"].shape == (0, 200) and none["argmax"].numel() == 0
+    with pytest.raises(ValueError, match="draft vocabulary's 200 rows, got 1000"):
+        target_distribution(last, loss_mask, lm_head, draft_ids, t2d, target_next=nxt)
 
 
 def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(data, tmp_path, capsys):
