@@ -2,10 +2,12 @@
 
 Runs `eaglenest.hidden.extract_hidden` over synthetic traces with a randomly initialised
 Llama-3.1-8B-shaped target on the GPU, and prints tokens/s against the 2*params FLOP-per-token
-limit (causal attention added, lm_head excluded: extraction never runs it) at the bf16 matrix rate
-measured in the same process, and the write rate of the shard. The ceiling is measured in the same
-process too: the same decoder forward with the same aux-layer capture and batch shape, its
-outputs left on the device (no copy, no write); `ratio_to_forward` is extraction over it.
+limit (causal attention added, the input embedding excluded: a lookup; the lm_head included:
+extraction runs it for the shard's `target_next`, the greedy token at each position) at the bf16
+matrix rate measured in the same process, and the write rate of the shard. The ceiling is measured
+in the same process too: the same decoder forward with the same aux-layer capture and batch shape,
+and the same chunked lm_head argmax (`target.greedy_next`), its outputs left on the device (no copy,
+no write); `ratio_to_forward` is extraction over it.
 
     python benchmarks/bench_extract.py [--seqs 64 --len 2048 --batch-tokens 16384] [--small]
 """
@@ -47,9 +49,9 @@ def write_traces(path, n, length, vocab, seed=0):
 
 
 def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, iters=6):
-    """Tokens/s of the forward extraction runs (decoder, aux capture, concatenation), outputs kept on
-    the device: the rate extraction would reach if copies and writes cost nothing."""
-    from eaglenest.target import AuxCapture as _AuxCapture, decoder_of as _decoder
+    """Tokens/s of the forward extraction runs (decoder, aux capture, concatenation, the greedy next
+    tokens), outputs kept on the device: the rate extraction would reach if copies and writes cost nothing."""
+    from eaglenest.target import AuxCapture as _AuxCapture, decoder_of as _decoder, greedy_next
 
     decoder = _decoder(model)
     B = max(1, min(seqs, batch_tokens // length))  # extraction's batch shape
@@ -60,7 +62,8 @@ def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, i
         with torch.inference_mode():
             capture.states.clear()
             last = decoder(input_ids=ids, use_cache=False).last_hidden_state
-            return torch.cat([capture.states[i] for i in aux_layers], dim=-1), last
+            nxt = greedy_next(last.reshape(-1, last.shape[-1]), model.get_output_embeddings().weight)
+            return torch.cat([capture.states[i] for i in aux_layers], dim=-1), last, nxt
 
     try:
         fwd()
@@ -106,7 +109,7 @@ def main():
         model = LlamaForCausalLM(cfg).eval()
         torch.set_default_dtype(torch.float32)
     P = sum(q.numel() for q in model.parameters())
-    P_matmul = P - 2 * cfg.vocab_size * cfg.hidden_size  # embeddings are a lookup, lm_head never runs
+    P_matmul = P - cfg.vocab_size * cfg.hidden_size  # embeddings are a lookup; the lm_head runs (target_next)
     L = cfg.num_hidden_layers
     aux = [2, L // 2, L - 3]
     with tempfile.TemporaryDirectory(dir=a.out) as tmp:

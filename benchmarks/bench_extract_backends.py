@@ -3,7 +3,9 @@
 Starts an extraction server (the workflow's lifecycle code, toy in float32), extracts the same
 synthetic traces with `hidden.backend: vllm` and `transformers`, and prints tokens/s of each, then
 the largest |vLLM - transformers| per layer in float32 (vLLM's per-request files against
-transformers' `output_hidden_states`, before either is rounded to the shard's bf16).
+transformers' `output_hidden_states`, before either is rounded to the shard's bf16), and the
+share of positions where the shards' `target_next` (vLLM: prompt logprobs' top-1 and the generated
+token; transformers: the argmax of its head) agree.
 
     python benchmarks/bench_extract_backends.py [--seqs 1000 --concurrency 32 --port 18200]
 """
@@ -75,6 +77,13 @@ def main():
     tf = extract_hidden([wd / "traces.jsonl"], wd / "t.safetensors", str(TOY), aux_layers=AUX, max_length=512,
                         dtype="float32", progress=False)
     tf_wall = time.time() - t
+    from safetensors import safe_open
+
+    nxt = []
+    for name in ("v", "t"):
+        with safe_open(str(wd / f"{name}.safetensors"), "pt") as f:
+            nxt.append(f.get_tensor("target_next"))
+    agree = (nxt[0] == nxt[1]).float().mean().item()
     model = AutoModelForCausalLM.from_pretrained(TOY, dtype=torch.float32).eval()
     worst = {i: 0.0 for i in layer_ids(info)}
     with torch.inference_mode():
@@ -94,6 +103,7 @@ def main():
                  "concurrency": args.concurrency},
         "transformers": {"tokens_per_s": tf["tokens_per_s"], "wall_s": round(tf_wall, 2), "bytes": tf["bytes"]},
         "max_abs_diff_float32_by_vllm_id": worst,
+        "target_next_agree": round(agree, 5),
         "note": f"id {max(worst)}: final norm applied to vLLM's state vs transformers' post-norm last state",
     }, indent=1))
 

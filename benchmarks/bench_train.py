@@ -2,6 +2,9 @@
 
 One optimizer step of eaglenest's EAGLE-3 draft as `eaglenest.train` runs it (target distribution
 once per batch, training-time test, loss, backward, clip, AdamW), on one packed sequence, with the
+target distribution as train_draft makes it from shards that have `target_next` (the draft
+vocabulary's rows of the target head on the device, the greedy tokens given; `--target-argmax full`:
+the path of shards without it, the full head on the device and the argmax over it each step), with the
 step path train_draft's config picks on this device by default (on CUDA: flex attention, compiled
 step, recomputation, fused loss; see train.resolve_runtime), or the one the flags ask for.
 bench_train_e2e.py measures train_draft itself, from shards on disk. Prints tokens/s, peak memory
@@ -113,6 +116,9 @@ def main():
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
     p.add_argument("--freeze-lm-head", type=choice, default=None, help="true/false; default: train's (true)")
+    p.add_argument("--target-argmax", choices=["shard", "full"], default="shard",
+                   help="shard: target_next comes with the batch (the default path); full: the argmax over the full "
+                   "target vocabulary each step (shards written before target_next)")
     p.add_argument("--profile", action="store_true", help="then profile 2 steps: device time by kind of kernel, top kernels")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
@@ -125,6 +131,7 @@ def main():
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
     label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head"))
+    label += f"-target_argmax={a.target_argmax}"
     if run["compile"]:
         configure_compile(range(len(a.ttt) * len(a.sizes)))
     rows = []
@@ -152,21 +159,26 @@ def main():
         opt = make_optimizer(model, {**run, "lr": 1e-4}, dev == "cuda")
         draft_ids = model.draft_ids()
         t2d_dev = t2d.to(dev)
+        if a.target_argmax == "shard":  # as train_draft: only the draft rows of the head are on the device
+            lm_head = lm_head[draft_ids].contiguous()
         inputs = []
         for ttt in a.ttt:
             aux = torch.randn(1, T, 3 * H, device=dev, dtype=torch.bfloat16, generator=g)
             last = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16, generator=g)
             ids = torch.randint(0, V, (1, T), device=dev, generator=g)
-            inputs.append((ttt, aux, last, ids, F.embedding(token_embeds_ids(ids, ttt), embed)))
+            # the shard's greedy tokens (int32, with the batch), about half in the draft vocabulary
+            nxt = torch.randint(0, 2 * DV, (1, T), device=dev, generator=g).clamp(max=V - 1).to(torch.int32)
+            inputs.append((ttt, aux, last, ids, nxt, F.embedding(token_embeds_ids(ids, ttt), embed)))
         del embed
-        for ttt, aux, last, ids, embeds in inputs:
+        for ttt, aux, last, ids, nxt, embeds in inputs:
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
             rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
             extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T).items()}} if run["fused_loss"] else {}
             rows_dev = rows_host.to(dev)
 
-            def step():
-                targets = {**target_distribution(last, mask, lm_head, draft_ids, t2d_dev, rows=rows_dev), **extra}
+            def step(nxt=nxt if a.target_argmax == "shard" else None):
+                targets = {**target_distribution(last, mask, lm_head, draft_ids, t2d_dev, rows=rows_dev, target_next=nxt),
+                           **extra}
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk, embeds=embeds)
                 loss.backward()

@@ -2,8 +2,9 @@
 
 For each size: a random target of that width and vocabulary but only 4 layers (the draft only sees
 its widths) is run over random traces by `eaglenest.hidden.extract_hidden`, which writes a shard in
-the project's format; `save_target_head` and `build_vocab` write the head and the vocabulary
-(draft vocabulary 32000). The target is then freed and `eaglenest.train.train_draft` runs with its
+the project's format (with `target_next`, the target's greedy tokens, as the workflow writes it:
+train_draft then keeps only the draft vocabulary's rows of the target head on the device);
+`save_target_head` and `build_vocab` write the head and the vocabulary (draft vocabulary 32000). The target is then freed and `eaglenest.train.train_draft` runs with its
 DEFAULT configuration; only the sizes are set: one `--seq`-token sequence per step
 (`batch_tokens = seq`), `max_steps`. Reported from its own metrics file: tokens/s as the median
 over the steps after `--warmup` (train_draft times each step with CUDA events on its compute
@@ -16,7 +17,8 @@ head, writing the checkpoint).
 MFU counts FLOPs like ../shared/bench/bench_speculators.py's flops_per_token (bench_train.py
 holds the same formula): per token and TTT step 6x the trainable layer MACs and causal attention,
 6x (trained) or 4x (frozen) the draft lm_head, plus fc and the target distribution over the draft
-vocabulary once; recomputation in backward and our full-vocabulary target argmax are not counted.
+vocabulary once; recomputation in backward is not counted (the target's argmax over its full
+vocabulary is extraction's work, in `extract_s`, not training's).
 
     python benchmarks/bench_train_e2e.py --sizes llama8b kimi [--seqs 40 --seq 2048 --steps 40] [--small]
 """

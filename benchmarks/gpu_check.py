@@ -5,6 +5,8 @@ compiled, each step recomputed in backward, the fused lm_head + loss) against th
 (dense mask, eager, chunked loss) on a small draft: loss, per-step stats and every gradient, under
 bf16 autocast as training runs, against the reference under the same autocast and in fp32, at TTT 7
 and 10, with the number of graphs dynamo compiled (one per TTT length, not one per TTT step). On CPU only the uncompiled variants run.
+Then the target distribution from the shard's greedy tokens (only the draft rows of the head) against
+the full-vocabulary one, in bf16 at Kimi-K2.5's head size on CUDA (tiny on CPU), with both timed.
 
     python benchmarks/gpu_check.py
 """
@@ -15,7 +17,7 @@ import sys
 import torch
 
 from eaglenest.model import DraftConfig, Eagle3Draft
-from eaglenest.train import configure_compile
+from eaglenest.train import configure_compile, target_distribution
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True}
 REF = {"attention": "sdpa", "compiled": False, "recompute": False, "fused_loss": False}
@@ -34,6 +36,51 @@ def run(model, variant, ids, aux, targets, ttt, autocast):
         loss, stats = model(ids, aux, targets, ttt_length=ttt, chunk=300)
     loss.backward()  # as train_draft does, outside autocast
     return loss.detach().float(), stats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_target_distribution(dev):
+    """train.target_distribution with target_next (the draft rows of the head, [Vd, H]) against the
+    full-vocabulary path, bf16 as on CUDA: same argmax and in_draft, probs up to the matmul's rounding;
+    milliseconds of each at 2048 loss rows."""
+    import time
+
+    H, V, DV, N = (7168, 163840, 32000, 2048) if dev == "cuda" else (256, 4096, 1024, 256)
+    g = torch.Generator(device=dev).manual_seed(3)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    head = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dtype)
+    last = torch.randn(1, N, H, device=dev, generator=g).to(dtype)
+    mask = torch.ones(1, N, dtype=torch.bool, device=dev)
+    draft_ids = torch.randperm(V, device=dev, generator=g)[:DV].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool, device=dev)
+    t2d[draft_ids] = True
+    draft_head = head[draft_ids].contiguous()
+
+    def timed_ms(fn):
+        fn()
+        ts = []
+        for _ in range(5):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return out, sorted(ts)[len(ts) // 2]
+
+    full, full_ms = timed_ms(lambda: target_distribution(last, mask, head, draft_ids, t2d))
+    nxt = torch.zeros(1, N, dtype=torch.int32, device=dev)
+    nxt.view(-1)[full["rows"]] = full["argmax"].to(torch.int32)  # what extraction stores
+    fast, fast_ms = timed_ms(lambda: target_distribution(last, mask, draft_head, draft_ids, t2d, target_next=nxt))
+    r = {"target_distribution": f"H {H}, V {V}, Vd {DV}, {N} rows, {dtype}",
+         "rel_probs": rel(fast["probs"], full["probs"]),
+         "max_abs_probs": float((fast["probs"] - full["probs"]).abs().max()),
+         "same_argmax_in_draft": bool(torch.equal(fast["argmax"], full["argmax"]) and torch.equal(fast["in_draft"], full["in_draft"])),
+         "full_vocab_ms": round(full_ms, 2), "draft_rows_ms": round(fast_ms, 2),
+         "head_gib_full_vs_draft": [round(head.numel() * head.element_size() / 2**30, 2),
+                                    round(draft_head.numel() * draft_head.element_size() / 2**30, 2)]}
+    r["ok"] = bool(r["same_argmax_in_draft"] and r["rel_probs"] < 2e-2)
+    return r
 
 
 def main():
@@ -122,6 +169,10 @@ def main():
         results.append([opt.state[p]["master"].clone() for p in ps])
     r = {"master_adamw_compiled_vs_eager": max(rel(a, b) for a, b in zip(*results))}
     r["ok"] = r["master_adamw_compiled_vs_eager"] < 1e-5
+    print(json.dumps(r), flush=True)
+    if not r["ok"]:
+        failures.append(r)
+    r = check_target_distribution(dev)
     print(json.dumps(r), flush=True)
     if not r["ok"]:
         failures.append(r)

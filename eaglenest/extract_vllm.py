@@ -16,6 +16,15 @@ target's final RMSNorm to the final-layer state (the shard's ``last_hidden`` is 
 ``hidden.py``), writes the rows at their place in the shard and deletes the file. Memory is bounded
 by the requests in flight.
 
+The shard's ``target_next`` (the target's greedy next token from each position) comes from the same
+request: ``prompt_logprobs: 1`` makes vLLM return, for each prompt token i >= 1, the top-1 token of
+the target's distribution at position i-1 (its logits, computed by vLLM's own head), and the one
+token it generates (``temperature: 0``, ``return_token_ids``) is the greedy choice from the last
+position. vLLM makes those prompt logits per request at once, beyond what its start-up memory profile
+counts (one row of logits per sequence): about
+``prompt tokens x vocabulary x 6`` bytes (model-dtype logits and float32 log-probs; 2 GB for 2048
+tokens of a 163,840-token vocabulary), which ``hidden.gpu_memory_utilization`` must leave room for.
+
 Crash safety: the shard is written in place under ``<shard>.partial`` (its layout is fixed by pass 1),
 and each sequence whose rows are written is appended to ``<shard>.partial.done``. A rerun after
 ``kill -9`` or a dead server reopens the partial when its header is the same (same traces, layers,
@@ -239,17 +248,17 @@ class _Run:
     async def _worker(self, session, queue):
         loop = asyncio.get_running_loop()
         for k in queue:
-            path = await self._request(session, k)
-            await loop.run_in_executor(self.pool, self._store, k, path)
+            path, nxt = await self._request(session, k)
+            await loop.run_in_executor(self.pool, self._store, k, path, nxt)
 
     async def _request(self, session, k):
         rid, ids, _ = self.seqs[k]
         kept = (f"{len(self.done)} of {len(self.seqs)} finished sequences are kept in {self.writer.partial}; "
                 "restart the server and rerun")
         return await self.client.request(session, rid, ids, f"{self.prefix}{k}", where=self.shard,
-                                         sent=self.sent, kept=kept)
+                                         sent=self.sent, kept=kept)  # (path, target_next)
 
-    def _store(self, k, path):
+    def _store(self, k, path, nxt):
         rid, ids, n_prompt = self.seqs[k]
         kept = f"{len(self.done)} finished sequences are kept in {self.writer.partial}; restart the server and rerun"
         aux, last = self.client.states(path, rid, ids, where=self.shard, kept=kept)
@@ -258,6 +267,7 @@ class _Run:
         w.write_rows("aux_hidden", row, aux)
         w.write_rows("last_hidden", row, last)
         w.write_rows("input_ids", row, torch.from_numpy(ids))
+        w.write_rows("target_next", row, nxt)
         w.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
         with self.lock:  # after the rows: a kill between the two only sends this sequence again
             self.journal.write(b"%d\n" % k)
@@ -302,10 +312,12 @@ class StatesClient:
         return n_tokens * len(self.ids_wanted) * self.hidden_size * 4 + 4096
 
     async def request(self, session, rid, ids, prefix, *, where, sent, kept):
-        """Send the token ids ``ids`` (trace ``rid``); return the path of the per-request file."""
+        """Send the token ids ``ids`` (trace ``rid``); return ``(path of the per-request file,
+        target_next int32 [n])`` (``greedy_tokens``)."""
         import aiohttp
 
-        body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0}
+        body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 1, "return_token_ids": True}
         for attempt in range(self.max_retries + 1):
             req_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
             try:
@@ -338,7 +350,15 @@ class StatesClient:
         if path.parent != self.storage:
             raise ExtractError(f"{where}: the server at {self.url} wrote trace {rid!r}'s states to {path}, "
                                f"outside {self.storage}, the directory this workflow gave it; refusing to read it")
-        return path
+        try:
+            nxt = greedy_tokens(answer, len(ids))
+        except ValueError as e:
+            remove_states(path)
+            raise ExtractError(f"{where}: the extraction server at {self.url} answered trace {rid!r} "
+                               f"({len(ids)} tokens) without the target's greedy tokens: {e}; it must be a vLLM "
+                               "that answers prompt_logprobs and return_token_ids (the one the workflow starts, "
+                               "see hidden_server.ready)") from None
+        return path, nxt
 
     def states(self, path, rid, ids, *, where, kept):
         """``(aux bf16 [n, 3H], last bf16 [n, H])`` of the file at ``path``, which is deleted."""
@@ -374,6 +394,32 @@ class StatesClient:
                 glob.glob(str(self.storage / ("cmpl-" + glob.escape(prefix) + "*"))):
             if p.endswith(".safetensors"):
                 remove_states(p)
+
+
+def greedy_tokens(answer, n) -> torch.Tensor:
+    """The target's greedy next token from each of the ``n`` prompt positions (int32 [n]), from
+    vLLM's ``/v1/completions`` answer to ``prompt_logprobs: 1, return_token_ids: true, max_tokens: 1,
+    temperature: 0``: ``prompt_logprobs[i]`` (i >= 1; entry 0 is null) maps token ids (JSON keys) to
+    ``{"logprob", "rank", ...}`` and holds the prompt token i and the top-1 at position i-1 (rank 1;
+    on a tie of several rank-1 tokens the smallest id, as ``argmax`` takes); the generated token
+    (``token_ids``) is the greedy choice from the last position. ``ValueError`` says what is missing."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    entries, generated = choice.get("prompt_logprobs"), choice.get("token_ids")
+    if not isinstance(entries, list) or len(entries) != n:
+        got = f"{len(entries)} entries" if isinstance(entries, list) else repr(entries)[:80]
+        raise ValueError(f"choices[0].prompt_logprobs is {got}, expected {n} entries")
+    if not isinstance(generated, list) or len(generated) != 1:
+        raise ValueError(f"choices[0].token_ids is {repr(generated)[:80]}, expected the one generated token")
+    out = torch.empty(n, dtype=torch.int32)
+    for i in range(1, n):
+        entry = entries[i]
+        top = [int(t) for t, lp in entry.items() if lp.get("rank") == 1] if isinstance(entry, dict) else []
+        if not top:
+            raise ValueError(f"choices[0].prompt_logprobs[{i}] has no rank-1 token: {repr(entry)[:200]}")
+        out[i - 1] = min(top)
+    out[n - 1] = int(generated[0])
+    return out
 
 
 def _first_difference(got, ids):

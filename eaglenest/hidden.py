@@ -10,13 +10,20 @@ sequences packed end to end along the token axis (T = all kept tokens of the sha
                                  distribution at a position is ``softmax(lm_head(last_hidden))``;
                                  storing it post-norm makes that exact for any final-norm flavour
     input_ids    int64 [T]
+    target_next  int32 [T]       the target's greedy next token (a target-vocabulary id) predicted from
+                                 each position: the argmax of ``lm_head(last_hidden)`` there, computed
+                                 where the target runs so that training never multiplies by the full
+                                 target vocabulary (``train.target_distribution``); at a sequence's
+                                 last position it is the token the target would generate next
     seq_offsets  int64 [S + 1]   sequence k is rows ``seq_offsets[k]:seq_offsets[k+1]``
     loss_mask    bool  [T]       True on completion tokens (reasoning included), False on the prompt
 
 The ``__metadata__`` holds ``format``, ``aux_layers`` (JSON), ``hidden_size``, ``target`` and counts.
-A shard costs ``8*H + 9`` bytes per token (plus 8 per sequence); it is written in place (header first,
-then each batch's rows at their offsets) so it is never held whole in memory, under a ``.partial``
-name that is renamed once complete. Readers use ``safe_open`` (memory-mapped).
+Shards written before ``target_next`` existed lack it and are still read (training then takes
+the argmax over the full vocabulary itself, as it did, see ``train``). A shard costs ``8*H + 13``
+bytes per token (plus 8 per sequence); it is written in place (header first, then each batch's rows
+at their offsets) so it is never held whole in memory, under a ``.partial`` name that is renamed
+once complete. Readers use ``safe_open`` (memory-mapped).
 
 What training needs of the target's head is saved once, beside the shards, by
 ``target.save_target_head`` (the target itself, its loading and its aux-state capture live in
@@ -35,12 +42,13 @@ import numpy as np
 import torch
 
 from .errors import DiskSpaceError
-from .target import AuxCapture, decoder_of, load_target, target_info
+from .target import AuxCapture, decoder_of, greedy_next, load_target, target_info
 from .util import progress_bar, say
 
 FORMAT = "eaglenest.hidden/1"
 STORE_DTYPE = torch.bfloat16
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.bool: "BOOL"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.int32: "I32",
+             torch.bool: "BOOL"}
 WRITERS = 4  # threads writing the rows of a shard in parallel
 INFLIGHT = 3  # batches between the GPU and the disk at once (each in page-locked host memory on CUDA)
 SYNC_BYTES = 1 << 28  # written bytes between two fdatasync calls of the shard during extraction
@@ -111,6 +119,7 @@ def shard_layout(seqs, *, aux_layers, hidden_size, target, max_length, **extra_m
         "aux_hidden": (STORE_DTYPE, (n_tokens, len(aux_layers) * hidden_size)),
         "last_hidden": (STORE_DTYPE, (n_tokens, hidden_size)),
         "input_ids": (torch.int64, (n_tokens,)),
+        "target_next": (torch.int32, (n_tokens,)),
         "seq_offsets": (torch.int64, (len(seqs) + 1,)),
         "loss_mask": (torch.bool, (n_tokens,)),
     }
@@ -132,8 +141,8 @@ def shard_layout(seqs, *, aux_layers, hidden_size, target, max_length, **extra_m
 
 
 def estimate_bytes(num_tokens, num_seqs, hidden_size, num_aux=3) -> int:
-    """Bytes on disk of one shard (bf16 states, int64 ids, bool mask, int64 offsets, ~header)."""
-    per_token = (num_aux + 1) * hidden_size * 2 + 8 + 1
+    """Bytes on disk of one shard (bf16 states, int64 ids, int32 next tokens, bool mask, int64 offsets, ~header)."""
+    per_token = (num_aux + 1) * hidden_size * 2 + 8 + 4 + 1
     return num_tokens * per_token + (num_seqs + 1) * 8 + 4096
 
 
@@ -263,6 +272,7 @@ def extract_hidden(
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
     decoder = decoder_of(model)
+    head = model.get_output_embeddings().weight
     first_device = model.get_input_embeddings().weight.device
 
     writer = ShardWriter(out_path, specs, metadata)
@@ -279,7 +289,7 @@ def extract_hidden(
     in_flight, unsynced = [], [0]
     sync_lock = threading.Lock()
 
-    def write_rows(batch, positions, aux, last, done):
+    def write_rows(batch, positions, aux, last, nxt, done):
         """Write the sequences at ``positions`` of ``batch`` (one writer's share of a batch)."""
         if done is not None:
             done.synchronize()  # the batch's device -> host copies have landed
@@ -291,6 +301,7 @@ def extract_hidden(
             writer.write_rows("aux_hidden", row, aux[b, :n])
             writer.write_rows("last_hidden", row, last[b, :n])
             writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
+            writer.write_rows("target_next", row, nxt[b, :n])
             writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
             n_tok += n
         bar.update(n_tok)
@@ -303,10 +314,10 @@ def extract_hidden(
         if flush:
             os.fdatasync(writer.fd)
 
-    def to_host(t):
+    def to_host(t, dtype=STORE_DTYPE):
         if not on_gpu:
-            return t.to(STORE_DTYPE).cpu()
-        host = torch.empty(t.shape, dtype=STORE_DTYPE, pin_memory=True)
+            return t.to(dtype).cpu()
+        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
         if t.device not in copy_streams:
             copy_streams[t.device] = torch.cuda.Stream(t.device)
         copy_stream = copy_streams[t.device]
@@ -331,15 +342,17 @@ def extract_hidden(
                 last = decoder(input_ids=ids, use_cache=False).last_hidden_state
                 aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
                 device = last.device
-                aux, last = to_host(aux), to_host(last.to(STORE_DTYPE))
+                # the greedy next token from each position (pads included: batches are length-sorted)
+                nxt = greedy_next(last.reshape(-1, last.shape[-1]), head).view(last.shape[:2]).to(device, torch.int32)
+                aux, last, nxt = to_host(aux), to_host(last.to(STORE_DTYPE)), to_host(nxt, torch.int32)
                 done = None
                 if on_gpu:
                     done = torch.cuda.Event()
-                    done.record(copy_streams[device])  # aux and last both come from that device
+                    done.record(copy_streams[device])  # aux, last and nxt all come from that device
             while len(in_flight) >= INFLIGHT:
                 [f.result() for f in in_flight.pop(0)]
             shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
-            in_flight.append([pool.submit(write_rows, batch, share, aux, last, done) for share in shares])
+            in_flight.append([pool.submit(write_rows, batch, share, aux, last, nxt, done) for share in shares])
         while in_flight:
             [f.result() for f in in_flight.pop(0)]
         bar.close()
@@ -375,13 +388,17 @@ def extract_hidden(
 
 
 class HiddenShards:
-    """Memory-mapped read access to one or more shards: ``len()`` sequences, ``[k]`` -> dict of rows."""
+    """Memory-mapped read access to one or more shards: ``len()`` sequences, ``[k]`` -> dict of rows.
+
+    The rows hold ``target_next`` only when every shard has it (``without_target_next`` lists the
+    shards written before it existed)."""
 
     def __init__(self, paths):
         from safetensors import safe_open
 
         self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         self.files, self.index, self.aux_layers, self.hidden_size = [], [], None, None
+        self.without_target_next = []
         for path in self.paths:
             f = safe_open(str(path), framework="pt")
             meta = f.metadata() or {}
@@ -392,6 +409,8 @@ class HiddenShards:
                 self.aux_layers, self.hidden_size = aux, int(meta["hidden_size"])
             elif aux != self.aux_layers or int(meta["hidden_size"]) != self.hidden_size:
                 raise ValueError(f"{path}: aux_layers {aux} / hidden {meta['hidden_size']} differ from {self.paths[0]}'s")
+            if "target_next" not in f.keys():
+                self.without_target_next.append(path)
             offsets = f.get_tensor("seq_offsets").tolist()
             s = len(self.files)
             self.files.append(f)
@@ -407,4 +426,10 @@ class HiddenShards:
     def __getitem__(self, k):
         s, a, b = self.index[k]
         f = self.files[s]
-        return {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+        return {name: f.get_slice(name)[a:b] for name in self.names}
+
+    @property
+    def names(self):
+        """The tensors each row holds."""
+        return ("input_ids", "loss_mask", "aux_hidden", "last_hidden") + (
+            () if self.without_target_next else ("target_next",))

@@ -6,9 +6,10 @@ of each trace shard, in shard order: exactly the sequences, and the indices, of 
 would write), so their lengths, hence the batch plan, are known without any hidden state. Training
 hands it the order in which it will read the sequences (``follow``); a background thread then asks
 the server for the states of the upcoming sequences, up to ``ahead_tokens`` tokens ahead of the
-reader and ``concurrency`` requests in flight, and turns each per-request file into rows with the
-same ``StatesClient`` the shard writer uses (same checks, same final norm, same bf16 numbers), so
-stream mode trains on the numbers files mode would have read from the shards.
+reader and ``concurrency`` requests in flight, and turns each per-request file (and the answer's
+greedy tokens, ``target_next``) into rows with the same ``StatesClient`` the shard writer uses (same
+checks, same final norm, same bf16 numbers), so stream mode trains on the numbers files mode would
+have read from the shards.
 
 Disk: the per-request files (deleted once read) and the optional cache of extracted sequences
 (``cache_dir``, reused when a later epoch reads a sequence again instead of asking the server)
@@ -43,6 +44,7 @@ class StreamedStates:
         self.client, self.concurrency, self.ahead_tokens = client, int(concurrency), int(ahead_tokens)
         self.max_length, self.use_truncated = max_length, use_truncated
         self.aux_layers, self.hidden_size = client.aux_layers, client.hidden_size
+        self.without_target_next = []  # the client always brings the target's greedy tokens
         self.seqs = []  # (trace id, ids int64 [n], prompt length), in the order of files mode's shards
         for path in self.paths:
             self.seqs += shard_sequences([path], max_length, use_truncated)[0]
@@ -205,8 +207,9 @@ class StreamedStates:
         kept = ("the training state saved every train.save_every steps is kept: rerun the workflow (it restarts "
                 "the extraction server) and training resumes from its last saved step")
         try:
-            path = await self.client.request(session, rid, ids, f"{self.prefix}{k}", where="train_draft (hidden.mode: stream)",
-                                             sent=self.counts["extracted"], kept=kept)
+            path, nxt = await self.client.request(session, rid, ids, f"{self.prefix}{k}",
+                                                  where="train_draft (hidden.mode: stream)",
+                                                  sent=self.counts["extracted"], kept=kept)
             aux, last = await loop.run_in_executor(None, lambda: self.client.states(
                 path, rid, ids, where="train_draft (hidden.mode: stream)", kept=kept))
         finally:
@@ -218,9 +221,9 @@ class StreamedStates:
             self.counts["re_extracted"] += 1
             self.counts["re_extracted_tokens"] += n
         self.seen.add(k)
-        rows = {"aux_hidden": aux, "last_hidden": last}
+        rows = {"aux_hidden": aux, "last_hidden": last, "target_next": nxt}
         if self.cache_dir is not None:
-            size = (aux.numel() + last.numel()) * 2 + 4096
+            size = (aux.numel() + last.numel()) * 2 + nxt.numel() * 4 + 4096
             with self.cond:
                 room = self.cached_bytes + size <= self.cache_limit
                 if room:

@@ -212,6 +212,18 @@ class AuxCapture:
 
 
 @torch.no_grad()
+def greedy_next(last, head, max_elements=2**27):
+    """The target's greedy choice from each post-norm last state ``last`` [N, H]: the argmax of
+    ``last @ head.T`` (int64 [N], on ``head``'s device), the logits made ``max_elements // vocab``
+    rows at a time so that they stay bounded whatever the vocabulary."""
+    last = last.to(head.device, head.dtype)
+    rows = max(1, max_elements // head.shape[0])
+    if len(last) == 0:
+        return torch.zeros(0, dtype=torch.int64, device=head.device)
+    return torch.cat([(last[s : s + rows] @ head.T).argmax(-1) for s in range(0, len(last), rows)])
+
+
+@torch.no_grad()
 def target_states(model, tokens, aux_layers, extra: int = 0):
     """The target over one sequence: its aux states at vLLM ids ``aux_layers`` [T, 3*H], its greedy
     choice at every position [T] (the token it would put next), and its greedy continuation of
@@ -225,8 +237,7 @@ def target_states(model, tokens, aux_layers, extra: int = 0):
         aux = torch.cat([capture.states[i][0] for i in aux_layers], dim=-1)
     finally:
         capture.remove()
-    last = out.last_hidden_state[0]
-    argmax = torch.cat([(last[s : s + 1024] @ head.T).argmax(-1) for s in range(0, len(tokens), 1024)])
+    argmax = greedy_next(out.last_hidden_state[0], head)
     tail = [int(argmax[-1])] if extra else []
     past = out.past_key_values
     while len(tail) < extra:

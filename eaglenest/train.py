@@ -1,7 +1,9 @@
 """Training of the EAGLE-3 draft with training-time test (TTT), from hidden-state shards.
 
 Straight-line loop: read a batch (memory-mapped shards), compute the target's distribution once
-(``lm_head(last_hidden)``, restricted to the draft vocabulary), run the TTT forward, step AdamW.
+(``lm_head(last_hidden)``, restricted to the draft vocabulary: only the draft-vocabulary rows of the
+target's head are on the device, the target's greedy token comes from the shard's ``target_next``),
+run the TTT forward, step AdamW.
 In ``hidden.mode: stream`` the shards are a ``stream.StreamedStates`` instead: the same sequences,
 their states fetched from the extraction server ahead of the loader (it is told the order), so the
 batches, and the draft, are those files mode makes from the shards. A killed run resumes from ``state_dir/step_{n}.pt`` (model, optimizer, RNG, step; the data order
@@ -154,9 +156,9 @@ def micro_batch_stream(lengths, cfg, start=0):
 
 
 def load_batch(shards, seq_ids, cfg=None, pin=False):
-    """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H]
-    (B, T: ``padded_shape`` under ``cfg``, else the sequences and the longest); ``pin``: page-locked,
-    for asynchronous copies to the GPU."""
+    """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H],
+    and target_next [B, T] where the shards have it (B, T: ``padded_shape`` under ``cfg``, else the
+    sequences and the longest); ``pin``: page-locked, for asynchronous copies to the GPU."""
     items = [shards[k] for k in seq_ids]
     longest = max(len(it["input_ids"]) for it in items)
     B, T = padded_shape(longest, len(items), cfg) if cfg else (len(items), longest)
@@ -169,6 +171,8 @@ def load_batch(shards, seq_ids, cfg=None, pin=False):
         "aux_hidden": new(B, T, items[0]["aux_hidden"].shape[1], dtype=items[0]["aux_hidden"].dtype),
         "last_hidden": new(B, T, items[0]["last_hidden"].shape[1], dtype=items[0]["last_hidden"].dtype),
     }
+    if "target_next" in items[0]:
+        out["target_next"] = new(B, T, dtype=torch.int32)
     for b, it in enumerate(items):
         for name, t in it.items():
             out[name][b, : len(t)] = t
@@ -183,14 +187,25 @@ def loss_rows(loss_mask):
 
 
 @torch.no_grad()
-def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27, rows=None):
+def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27, rows=None,
+                        target_next=None):
     """The targets of ``model.ttt_loss``, from the target's post-norm last hidden state [B, T, H].
 
     Only positions q whose next token is a completion token are kept (``rows``: ``loss_rows`` of
-    ``loss_mask``, when already made on the host); logits over the full target vocabulary are made
-    ``max_elements // vocab`` rows at a time.
+    ``loss_mask``, when already made on the host): ``probs`` (softmax over the draft vocabulary),
+    ``argmax`` (the target's greedy token, a target id) and ``in_draft`` (it is in the draft
+    vocabulary: the position carries loss).
+
+    With ``target_next`` [B, T] (the shard's greedy tokens), ``lm_head_weight`` is the draft
+    vocabulary's rows of the target's head only ([Vd, H], ``lm_head[draft_ids]``): the argmax comes
+    from ``target_next``. Without it (shards written before it existed) ``lm_head_weight`` is the
+    full head [V, H] and the argmax is taken over the full vocabulary here. Logits are made
+    ``max_elements // rows of the head`` rows at a time.
     """
     B, T, H = last_hidden.shape
+    if target_next is not None and lm_head_weight.shape[0] != len(draft_ids):
+        raise ValueError(f"target_distribution: with target_next the head must be the draft vocabulary's "
+                         f"{len(draft_ids)} rows, got {lm_head_weight.shape[0]}")
     if rows is None:
         rows = loss_rows(loss_mask)
     h = last_hidden.reshape(B * T, H)[rows]
@@ -198,11 +213,16 @@ def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, 
     probs, argmax = [], []
     for s in range(0, len(rows), chunk):
         logits = (h[s : s + chunk].to(lm_head_weight.dtype) @ lm_head_weight.T).float()
-        argmax.append(logits.argmax(-1))
-        probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
+        if target_next is None:
+            argmax.append(logits.argmax(-1))
+            logits = logits[:, draft_ids]
+        probs.append(torch.softmax(logits, dim=-1))
     if not probs:
-        probs, argmax = [h.new_zeros(0, len(draft_ids), dtype=torch.float32)], [rows.new_zeros(0)]
-    argmax = torch.cat(argmax)
+        probs = [h.new_zeros(0, len(draft_ids), dtype=torch.float32)]
+    if target_next is not None:
+        argmax = target_next.reshape(B * T)[rows].long()
+    else:
+        argmax = torch.cat(argmax) if argmax else rows.new_zeros(0)
     return {"rows": rows, "probs": torch.cat(probs), "argmax": argmax, "in_draft": t2d[argmax]}
 
 
@@ -483,9 +503,20 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     if cfg["freeze_lm_head"]:
         model.lm_head.weight.requires_grad_(False)
     model.to(device)
-    lm_head_target = head["lm_head.weight"].to(device, torch.bfloat16 if on_gpu else torch.float32)
-    del head
     draft_ids, t2d_dev = model.draft_ids(), model.t2d
+    head_dtype = torch.bfloat16 if on_gpu else torch.float32
+    if shards.without_target_next:
+        # Shards from before target_next: the old path, the argmax over the full vocabulary each step
+        # (the full head on the device). Kept so that shards that cost GPU hours stay usable.
+        lm_head_target = head["lm_head.weight"].to(device, head_dtype)
+        if rank == 0:
+            say(f"train_draft: {len(shards.without_target_next)} shard(s) have no target_next (written by an older "
+                f"eaglenest, e.g. {shards.without_target_next[0]}): the target's argmax is taken over its full "
+                f"vocabulary of {info['vocab_size']} each step, which is slower and keeps the whole lm_head "
+                "on the device; delete and re-extract the shards to train on the fast path")
+    else:  # only the draft vocabulary's rows of the head: [Vd, H], contiguous
+        lm_head_target = head["lm_head.weight"][draft_ids.cpu()].to(device, head_dtype).contiguous()
+    del head
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(model, cfg, on_gpu)
     trainable = model
@@ -577,7 +608,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
             n_tok = 0
             for a in range(accum):
                 epoch, tokens, batch = loader.next()
-                targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev, rows=batch["rows"])
+                targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev,
+                                              rows=batch["rows"], target_next=batch.get("target_next"))
                 if "plan" in batch:
                     targets["plan"] = batch["plan"]
                 aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(model.fc.weight.dtype)  # no autocast on CPU

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("args", [
     ["benchmarks/bench_train_e2e.py", "--sizes", "llama8b", "--small", "--steps", "3", "--warmup", "1", "--seqs", "4"],
     ["benchmarks/bench_train.py", "--sizes", "llama8b", "--ttt", "2", "--iters", "2", "--small"],
+    ["benchmarks/bench_train.py", "--sizes", "llama8b", "--ttt", "2", "--iters", "2", "--small", "--target-argmax", "full"],
     ["benchmarks/bench_extract.py", "--small", "--seqs", "4"],
-], ids=["train_e2e", "train_step", "extract"])
+], ids=["train_e2e", "train_step", "train_step_full_vocab_argmax", "extract"])
 def test_benchmark_runs_at_tiny_sizes(args, tmp_path):
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})

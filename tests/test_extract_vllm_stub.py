@@ -1,8 +1,10 @@
 """The vLLM-backend client against a stub extraction server, for faults real vLLM cannot be made to
 produce on demand: a per-request file whose token ids differ from those sent, a path outside the
-directory the workflow gave the server. The stub is no model: it answers like vLLM 0.32's
-``/v1/completions`` with ``kv_transfer_params.hidden_states_path`` and writes a crafted file there
-(random states). The agreement with real states is tested against real vLLM in test_extract_vllm.py."""
+directory the workflow gave the server, an answer without prompt logprobs. The stub is no model: it
+answers like vLLM 0.32's ``/v1/completions`` (``vllm_answer``: ``kv_transfer_params.hidden_states_path``,
+``prompt_logprobs`` and the generated ``token_ids``) and writes a crafted file there (random states;
+its "greedy tokens" are a fixed function of the token ids, ``stub_greedy``). The agreement with real
+states and real greedy tokens is tested against real vLLM in test_extract_vllm.py."""
 import asyncio
 import json
 import shutil
@@ -12,7 +14,7 @@ from collections import namedtuple
 import pytest
 import torch
 from aiohttp import web
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from conftest import TOY_TARGET, free_port
 from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, layer_ids
@@ -22,13 +24,33 @@ from eaglenest.vllm_connector import storage_dir
 from eaglenest.vllm_format import extraction_server_args, extraction_speculative_config
 
 
+def stub_greedy(ids):
+    """The stub target's "greedy next token" from each position: a fixed function of the token there."""
+    return [(t * 7 + 3) % 100 for t in ids]
+
+
+def vllm_answer(ids, path, greedy):
+    """vLLM 0.32's answer to the client's request (``prompt_logprobs: 1``, ``return_token_ids``,
+    ``max_tokens: 1``) for prompt ``ids`` whose greedy next tokens are ``greedy``: ``prompt_logprobs[0]``
+    null, then per token i the prompt token's entry (first, with its rank) and, where it is not the
+    top-1, the top-1 at rank 1, keyed by token id; ``token_ids`` the greedy token generated."""
+    entries = [None]
+    for i in range(1, len(ids)):
+        entry = {str(ids[i]): {"logprob": -2.5, "rank": 2 + ids[i] % 3, "decoded_token": "b"}}
+        entry[str(greedy[i - 1])] = {"logprob": -0.25, "rank": 1, "decoded_token": "a"}
+        entries.append(entry)
+    return {"choices": [{"index": 0, "text": "a", "token_ids": [greedy[-1]], "prompt_logprobs": entries}],
+            "kv_transfer_params": {"hidden_states_path": str(path)}}
+
+
 class StubExtractionServer:
     """Writes ``hidden_states [T, layers, H]`` and ``token_ids`` per request, like the connector;
-    ``corrupt(ids) -> ids`` may change the token ids it writes; ``outside`` writes elsewhere."""
+    ``corrupt(ids) -> ids`` may change the token ids it writes; ``outside`` writes elsewhere;
+    ``no_logprobs`` answers without ``prompt_logprobs`` (a server that ignores the field)."""
 
-    def __init__(self, storage, layers, hidden, corrupt=None, outside=None):
+    def __init__(self, storage, layers, hidden, corrupt=None, outside=None, no_logprobs=False):
         self.storage, self.layers, self.hidden = storage, layers, hidden
-        self.corrupt, self.outside, self.requests = corrupt, outside, 0
+        self.corrupt, self.outside, self.requests, self.no_logprobs = corrupt, outside, 0, no_logprobs
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -41,7 +63,10 @@ class StubExtractionServer:
         written = self.corrupt(ids) if self.corrupt else ids
         save_file({"hidden_states": torch.randn(len(written), self.layers, self.hidden),
                    "token_ids": torch.tensor(written)}, str(path))
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": str(path)}})
+        answer = vllm_answer(ids, path, stub_greedy(ids))
+        if self.no_logprobs:
+            del answer["choices"][0]["prompt_logprobs"]
+        return web.json_response(answer)
 
     def __enter__(self):
         self.loop = asyncio.new_event_loop()
@@ -107,6 +132,19 @@ def test_matching_files_pack_into_a_complete_shard(tmp_path, head):
     assert stats["sequences"] == stats["sent"] == stub.requests == 6 and stats["tokens"] == 36
     assert (tmp_path / "shard_0.safetensors").exists() and list(storage.iterdir()) == []
     assert storage.stat().st_mode & 0o777 == 0o700
+    shard = load_file(str(tmp_path / "shard_0.safetensors"))
+    # the rank-1 token of each prompt position, not the prompt token listed first, and the generated one last
+    assert shard["target_next"].dtype == torch.int32
+    assert shard["target_next"].tolist() == stub_greedy(shard["input_ids"].tolist())
+
+
+def test_an_answer_without_prompt_logprobs_is_refused_naming_the_trace(tmp_path, head):
+    storage = storage_dir(tmp_path / "states")
+    with StubExtractionServer(storage, 4, 128, no_logprobs=True) as stub:
+        with pytest.raises(ExtractError, match=r"trace 't\d'.*prompt_logprobs is None, expected 6 entries"):
+            _run(tmp_path, head, stub)
+    assert not (tmp_path / "shard_0.safetensors").exists()
+    assert list(storage.iterdir()) == [], "the file of the refused answer is removed"
 
 
 def test_a_file_outside_the_given_directory_is_not_read(tmp_path, head):

@@ -81,6 +81,9 @@ def test_aux_layers_are_transformers_hidden_states_at_vllm_ids(target, tmp_path,
         torch.testing.assert_close(seq["last_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
         logits = seq["last_hidden"].float() @ model.lm_head.weight.T
         assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
+        # target_next: the target's own greedy choice from each position (un-rounded states)
+        assert seq["target_next"].dtype == torch.int32
+        assert torch.equal(seq["target_next"].long(), ref.logits[0].argmax(-1))
 
 
 def test_loss_mask_truncation_and_order(target, tmp_path):
@@ -114,8 +117,31 @@ def test_shard_is_plain_safetensors_of_the_estimated_size(target, tmp_path):
     assert tensors["aux_hidden"].shape == (T, 3 * HIDDEN) and tensors["aux_hidden"].dtype == torch.bfloat16
     assert tensors["last_hidden"].shape == (T, HIDDEN) and tensors["input_ids"].dtype == torch.int64
     assert tensors["loss_mask"].dtype == torch.bool and tensors["seq_offsets"][-1] == T
+    assert tensors["target_next"].shape == (T,) and tensors["target_next"].dtype == torch.int32
+    assert int(tensors["target_next"].min()) >= 0 and int(tensors["target_next"].max()) < VOCAB
     assert 0 <= hidden.estimate_bytes(T, stats["sequences"], HIDDEN) - stats["bytes"] <= 4096
     assert not list(tmp_path.glob("*.partial"))
+
+
+def without_target_next(shard, out):
+    """``shard`` as eaglenest wrote it before target_next existed (same tensors and metadata, less that one)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(shard), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys() if k != "target_next"}, f.metadata()
+    save_file(tensors, str(out), meta)
+    return out
+
+
+def test_a_shard_from_before_target_next_is_read_without_it(target, tmp_path):
+    new = tmp_path / "new.safetensors"
+    extract_hidden(fake_traces(tmp_path / "t.jsonl"), new, target, progress=False)
+    old = without_target_next(new, tmp_path / "old.safetensors")
+    assert HiddenShards(new).without_target_next == [] and "target_next" in HiddenShards(new)[0]
+    both = HiddenShards([new, old])
+    assert both.without_target_next == [old]
+    assert sorted(both[0]) == sorted(both[len(both) - 1]) == ["aux_hidden", "input_ids", "last_hidden", "loss_mask"]
 
 
 def test_refuses_when_disk_is_short(target, tmp_path, monkeypatch):

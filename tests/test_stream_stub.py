@@ -20,14 +20,15 @@ from eaglenest.target import save_target_head
 from eaglenest.train import load_checkpoint, train_draft
 from eaglenest.vllm_connector import storage_dir
 from eaglenest.vocab import build_vocab
-from test_extract_vllm_stub import StubExtractionServer
+from test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
 
 CONFIG = {"ttt_length": 2, "batch_tokens": 256, "max_steps": 16, "save_every": 4, "lr": 3e-3, "warmup_steps": 2,
           "seed": 1}
 
 
 class SeededStub(StubExtractionServer):
-    """States seeded by the token ids; once ``dead()`` is true, every answer is a 503."""
+    """States seeded by the token ids (greedy tokens: ``stub_greedy``, answered as vLLM does); once
+    ``dead()`` is true, every answer is a 503."""
 
     def __init__(self, *args, dead=None, **kw):
         super().__init__(*args, **kw)
@@ -44,7 +45,7 @@ class SeededStub(StubExtractionServer):
         path = self.storage / f"cmpl-{request.headers.get('X-Request-Id', 'x')}-0.safetensors"
         save_file({"hidden_states": torch.randn(len(ids), self.layers, self.hidden, generator=g),
                    "token_ids": torch.tensor(ids)}, str(path))
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": str(path)}})
+        return web.json_response(vllm_answer(ids, path, stub_greedy(ids)))
 
 
 @pytest.fixture(scope="module")

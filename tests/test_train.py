@@ -9,7 +9,7 @@ import torch
 
 from eaglenest import train
 from eaglenest.hidden import extract_hidden
-from eaglenest.target import save_target_head
+from eaglenest.target import load_target_head, save_target_head
 from eaglenest.train import epoch_batches, load_checkpoint, lr_at, resolve_config, target_distribution, train_draft
 from eaglenest.vocab import build_vocab
 from test_hidden import fake_traces, tiny_target
@@ -180,6 +180,64 @@ def test_target_distribution_shifts_the_mask_and_flags_out_of_vocab():
     assert torch.equal(tg["argmax"], logits.argmax(-1))
     torch.testing.assert_close(tg["probs"], torch.softmax(logits[:, draft_ids], -1))
     assert torch.equal(tg["in_draft"], t2d[logits.argmax(-1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_distribution_from_target_next_equals_the_full_vocabulary_one(dtype):
+    """The default path (the shard's greedy tokens, only the draft rows of the head) gives the full-vocab
+    path's probs, argmax and in_draft, up to the matmul's rounding."""
+    torch.manual_seed(1)
+    V, H, B, T = 1000, 64, 3, 50
+    lm_head, last = torch.randn(V, H).to(dtype), torch.randn(B, T, H).to(dtype)
+    loss_mask = torch.rand(B, T) < 0.7
+    draft_ids = torch.randperm(V)[:200].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    # the target's greedy tokens, as extraction stores them, with some of them in the draft vocabulary
+    lm_head[draft_ids[:20]] *= 4
+    full = target_distribution(last, loss_mask, lm_head, draft_ids, t2d, max_elements=V * 16)
+    nxt = (last.float() @ lm_head.float().T).argmax(-1).to(torch.int32)
+    fast = target_distribution(last, loss_mask, lm_head[draft_ids].contiguous(), draft_ids, t2d,
+                               max_elements=V * 16, target_next=nxt)
+    assert torch.equal(fast["rows"], full["rows"]) and fast["rows"].numel() > 50
+    assert fast["argmax"].dtype == torch.int64
+    assert torch.equal(fast["argmax"], full["argmax"]) and torch.equal(fast["in_draft"], full["in_draft"])
+    assert 0 < int(fast["in_draft"].sum()) < len(fast["rows"])
+    torch.testing.assert_close(fast["probs"], full["probs"], atol=1e-6, rtol=1e-5)
+    # nothing to score: empty, not an error
+    none = target_distribution(last, torch.zeros(B, T, dtype=torch.bool), lm_head[draft_ids], draft_ids, t2d, target_next=nxt)
+    assert none["probs"].shape == (0, 200) and none["argmax"].numel() == 0
+    with pytest.raises(ValueError, match="draft vocabulary's 200 rows, got 1000"):
+        target_distribution(last, loss_mask, lm_head, draft_ids, t2d, target_next=nxt)
+
+
+def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(data, tmp_path, capsys):
+    """A shard written before target_next: the old path (a line says so); with target_next set to what
+    that path computes, the default path's losses are the same."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from test_hidden import without_target_next
+
+    old = without_target_next(data["hidden_paths"][0], tmp_path / "old.safetensors")
+    with safe_open(str(old), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    lm_head = load_target_head(data["head_path"])[0]["lm_head.weight"].float()
+    tensors["target_next"] = (tensors["last_hidden"].float() @ lm_head.T).argmax(-1).to(torch.int32)
+    same = tmp_path / "same.safetensors"
+    save_file(tensors, str(same), meta)
+    rows = {}
+    for name, shard in (("old", old), ("same", same)):
+        out = tmp_path / name
+        train_draft([shard], data["vocab_path"], out / "c.safetensors", out / "m.csv", head_path=data["head_path"],
+                    config=CONFIG, state_dir=out / "state", device="cpu", progress=False)
+        rows[name] = list(csv.DictReader(open(out / "m.csv")))
+    said = capsys.readouterr()
+    assert "1 shard(s) have no target_next" in said.out + said.err and str(old) in said.out + said.err
+    assert len(rows["old"]) == len(rows["same"]) == 6
+    for a, b in zip(rows["old"], rows["same"]):
+        assert float(a["acc_0"]) == float(b["acc_0"])
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
 
 
 def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu():
