@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOY_TARGET, free_port, run_snakemake, server_gone, write_config
+from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port, run_snakemake, server_gone, write_config
 from eaglenest.errors import TracesError
 from eaglenest.server import LocalPaths, ServerConfig, alive, is_serving, start_local, stop_local, wait_ready
 from eaglenest.traces import generate_shard
@@ -25,7 +25,8 @@ def _start(log_dir: Path) -> tuple[ServerConfig, dict]:
     cfg = ServerConfig.from_dict({"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy",
                                   "port": free_port(), "max_model_len": MAX_MODEL_LEN,
                                   "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1,
-                                  "dtype": "float32", "poll_interval": 1, "ready_timeout": 600})
+                                  "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
+                                  "extra_args": TEST_SERVER_ARGS})
     paths = LocalPaths(log_dir)
     record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
     try:

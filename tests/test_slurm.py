@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port
 from eaglenest.server import ServerConfig, ServerError, probe
 from eaglenest.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name, read_record,
                              slurm_wait_ready, submit_server)
@@ -24,7 +24,6 @@ from eaglenest.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, jo
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
-TOY_TARGET = ROOT / "toy" / "target"
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 KEY_ENV, KEY = "EAGLENEST_TEST_SLURM_KEY", "s3cret-slurm-key"
 
@@ -287,7 +286,7 @@ def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster, monkey
     cfg = ServerConfig(mode="slurm", model=str(TOY_TARGET), served_model_name="toy", port=free_port(),
                        max_model_len=512, reasoning_parser="deepseek_r1", poll_interval=2, ready_timeout=240,
                        # vLLM's CPU backend reserves this share of the NUMA node's memory (default 0.92)
-                       extra_args=["--gpu-memory-utilization", "0.3"])
+                       extra_args=["--gpu-memory-utilization", "0.3", *TEST_SERVER_ARGS])
     settings = SlurmSettings(cpus=1, mem="4G", gpus=0, time="15:00")
     paths = SlurmPaths(tmp_path / "logs" / "server")
     cluster.append(job_name(cfg, tmp_path))
