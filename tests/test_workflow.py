@@ -103,9 +103,16 @@ def test_changing_limit_reruns_prompts_and_traces(traced):
     assert _planned_jobs(out) == {"prepare_prompts", "server_ready", "generate_traces", "stop_server"}
 
 
+def _default_sigint():
+    # A shell that starts a command in the background (`make test &`, CI runners) starts it with SIGINT
+    # ignored, and every process below inherits that: Ctrl-C would then reach a Snakemake that ignores
+    # it. A user's terminal leaves SIGINT at its default; so does this, for the workflows the tests start.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(wd, *args):
     return subprocess.Popen(snakemake_cmd(wd, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
 
 
 def _wait_partial(wd, n, proc, timeout=600):
