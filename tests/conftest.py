@@ -22,6 +22,11 @@ TOY_PROMPTS = ROOT / "toy" / "prompts.jsonl"
 # workflow test alone (default_config below) keeps the shipped config, compiled, as users run it.
 TEST_SERVER_ARGS = ["--enforce-eager"]
 
+
+def eager(server: dict) -> dict:
+    """A ``server`` config section whose vLLM runs eagerly (``TEST_SERVER_ARGS`` after its own extra_args)."""
+    return {**server, "extra_args": [*server.get("extra_args", []), *TEST_SERVER_ARGS]}
+
 BASE_CONFIG = {
     "dataset": {"path": str(TOY_PROMPTS), "limit": 48, "heldout": 8},
     "shards": 2,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TEST_SERVER_ARGS, free_port, server_gone
+from conftest import eager, free_port, server_gone
 
 # The first test to use the session-wide default run pays for it (about 15-30 min on 2 cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -75,8 +75,7 @@ def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
 
     # vLLM's own verdict on the wrong ids, on the held-out prompts the report used.
     k = report["num_speculative_tokens"]
-    server = ServerConfig.from_dict({**cfg["server"], "port": free_port(),
-                                     "extra_args": [*cfg["server"].get("extra_args", []), *TEST_SERVER_ARGS]})
+    server = ServerConfig.from_dict({**eager(cfg["server"]), "port": free_port()})
     prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
     run = measure_run("wrong_ids", server, speculative_config("eagle3", k, wrong_ids), prompts,
                       request_settings(cfg["generation"]["max_tokens"]), log_dir=tmp_path / "logs",

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TEST_SERVER_ARGS, TOY_TARGET, run_snakemake, write_config
+from conftest import TOY_TARGET, eager, run_snakemake, write_config
 from eaglenest.export import VALIDATION_MARK, export_draft, load_exported, write_validation
 from eaglenest.predict import load_exported_draft
 from eaglenest.server import ServerConfig
@@ -193,7 +193,7 @@ def validated(default_run):
     shifted = torch.roll(draft_to_target_ids(d2t), 1)
     tensors["d2t"] = shifted - torch.arange(len(d2t))
     save_safetensors(tensors, wrong / "model.safetensors", {"format": "pt"})
-    server = ServerConfig.from_dict({**cfg["server"], "extra_args": [*cfg["server"].get("extra_args", []), *TEST_SERVER_ARGS]})
+    server = ServerConfig.from_dict(eager(cfg["server"]))
     model, spec, _ = launch("vllm", wrong, K, server.model)
     wrong_run = measure_run("wrong_d2t", server, spec, read_prompts(wd / "data/prompts/heldout.jsonl"),
                             request_settings(cfg["generation"]["max_tokens"]), log_dir=wd / "logs/validate",
