@@ -23,6 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+import eaglenest.model
+
+from eaglenest.optim import clip_and_step
 from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
 from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime, target_distribution
 
@@ -79,7 +82,7 @@ KINDS = [  # (kind, substrings of kernel names), first match wins
 
 
 def profile(step, dev, steps=2):
-    """Device time of ``steps`` steps by kind of kernel (ms per step) and the 15 costliest kernels."""
+    """Device time of ``steps`` steps by kind of kernel (ms per step) and the 30 costliest kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -98,10 +101,10 @@ def profile(step, dev, steps=2):
         name = e.key.lower()
         kind = next((k for k, subs in KINDS if any(x in name for x in subs)), "other")
         kinds[kind] = kinds.get(kind, 0) + us(e) / 1e3 / steps
-    top = sorted(events, key=us, reverse=True)[:15]
+    top = sorted(events, key=us, reverse=True)[:30]
     return {"ms_per_step_by_kind": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "device_ms_per_step": round(sum(kinds.values()), 2),
-            "top_kernels_ms_per_step": [(e.key[:90], round(us(e) / 1e3 / steps, 2), e.count // steps) for e in top]}
+            "top_kernels_ms_per_step": [(e.key[:120], round(us(e) / 1e3 / steps, 2), e.count // steps) for e in top]}
 
 
 def main():
@@ -119,6 +122,8 @@ def main():
     p.add_argument("--target-argmax", choices=["shard", "full"], default="shard",
                    help="shard: target_next comes with the batch (the default path); full: the argmax over the full "
                    "target vocabulary each step (shards written before target_next)")
+    p.add_argument("--flex-options", nargs="+", default=[None], metavar="JSON",
+                   help="flex attention kernel_options to time in turn (JSON dicts; default: the model's FLEX_KERNEL_OPTIONS)")
     p.add_argument("--profile", action="store_true", help="then profile 2 steps: device time by kind of kernel, top kernels")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
@@ -133,7 +138,7 @@ def main():
     label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head"))
     label += f"-target_argmax={a.target_argmax}"
     if run["compile"]:
-        configure_compile(range(len(a.ttt) * len(a.sizes)))
+        configure_compile(range(len(a.ttt) * len(a.sizes) * len(a.flex_options)))
     rows = []
     for size in ["tiny"] if a.small else a.sizes:
         H, I, nh, nkv, V = SIZES[size]
@@ -182,29 +187,32 @@ def main():
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     loss, _ = model(ids, aux if dev == "cuda" else aux.float(), targets, ttt_length=ttt, chunk=a.chunk, embeds=embeds)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 0.5)
-                opt.step()
+                clip_and_step(opt, params, 0.5)
                 opt.zero_grad(set_to_none=True)
 
-            t0 = time.perf_counter()
-            for _ in range(3):
-                step()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            warm = time.perf_counter() - t0
-            s = timed(step, a.iters, dev)
-            f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
-            r = dict(impl=label, size=size, seq=T, ttt=ttt,
-                     step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
-                     peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
-                     # between steps: weights, optimizer state, inputs; the rest of the peak is the step's
-                     static_gib=round(torch.cuda.memory_allocated() / 2**30, 2) if dev == "cuda" else None,
-                     warmup_s=round(warm, 1))
-            if a.profile:
-                r["profile"] = profile(step, dev)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            for flex_options in a.flex_options:
+                if flex_options is not None:
+                    eaglenest.model.FLEX_KERNEL_OPTIONS = json.loads(flex_options)
+                    torch._dynamo.reset()  # recompile the step with them (and the rest, as a new run would)
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                warm = time.perf_counter() - t0
+                s = timed(step, a.iters, dev)
+                f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
+                r = dict(impl=label, size=size, seq=T, ttt=ttt, flex_options=eaglenest.model.FLEX_KERNEL_OPTIONS,
+                         step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
+                         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
+                         # between steps: weights, optimizer state, inputs; the rest of the peak is the step's
+                         static_gib=round(torch.cuda.memory_allocated() / 2**30, 2) if dev == "cuda" else None,
+                         warmup_s=round(warm, 1))
+                if a.profile:
+                    r["profile"] = profile(step, dev)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
         del model, opt
         if dev == "cuda":
             torch.cuda.empty_cache()

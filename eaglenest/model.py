@@ -123,9 +123,10 @@ class Attention(nn.Module):
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
         elif torch.compiler.is_compiling() or q.device.type != "cuda":  # the enclosing graph compiles it
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv, kernel_options=flex_kernel_options(q))
         else:
-            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv)
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv,
+                                             kernel_options=flex_kernel_options(q))
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -200,6 +201,14 @@ def _compiled_flex_attention():
 
 
 FLEX_BLOCK = 128  # flex attention's block: the flex path pads T to a multiple of it
+
+# Triton kernel options for flex attention on CUDA (torch's ``kernel_options``; keys with fwd_/bwd_
+# apply to one pass); empty: torch's own choice. benchmarks/tune_flex.py measures candidates.
+FLEX_KERNEL_OPTIONS = {}
+
+
+def flex_kernel_options(q):
+    return dict(FLEX_KERNEL_OPTIONS) if q.device.type == "cuda" and FLEX_KERNEL_OPTIONS else None
 
 
 @functools.lru_cache(maxsize=None)

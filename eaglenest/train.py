@@ -32,7 +32,7 @@ from .config import defaults
 from .errors import EaglenestError
 from .hidden import HiddenShards
 from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
-from .optim import MasterAdamW
+from .optim import MasterAdamW, clip_and_step
 from .target import load_target_head, resolve_device
 from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
@@ -624,8 +624,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
                 n_tok += tokens
             if world > 1:
                 dist.all_reduce(sums)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
-            opt.step()
+            grad_norm = clip_and_step(opt, params, cfg["clip"])
             opt.zero_grad(set_to_none=True)
             step += 1
             event = None

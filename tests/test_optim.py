@@ -73,3 +73,26 @@ def test_state_round_trip_keeps_fp32_masters():
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     assert all(torch.equal(x, y) for x, y in zip(opt_a.master_state_dict(a).values(), opt_b.master_state_dict(b).values()))
+
+
+def test_fused_clip_matches_clip_grad_norm_then_step():
+    """step(max_norm=...) clips inside the update: the same trajectory and norms as torch's
+    clip_grad_norm_ followed by the step, with the clip active (large gradients) and not."""
+    for scale in (100.0, 1e-3):
+        ref, ours = _model(), _model()
+        kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, moment_dtype=torch.float32)
+        opt_ref, opt = MasterAdamW(ref.parameters(), **kw), MasterAdamW(ours.parameters(), **kw)
+        torch.manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(8, 16)
+            for model in (ref, ours):
+                (scale * model(x).pow(2).mean()).backward()
+            norm_ref = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+            opt_ref.step()
+            norm = opt.step(max_norm=1.0)
+            torch.testing.assert_close(norm, norm_ref)
+            for o in (opt_ref, opt):
+                o.zero_grad(set_to_none=True)
+        assert (float(norm_ref) > 1.0) == (scale > 1)  # the clip was active in one case only
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
