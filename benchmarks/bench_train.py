@@ -27,7 +27,8 @@ import eaglenest.model
 
 from eaglenest.optim import clip_and_step
 from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
-from eaglenest.train import AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime, target_distribution
+from eaglenest.train import (AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime,
+                             set_runtime, target_distribution)
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
     "llama8b": (4096, 14336, 32, 8, 128256),
@@ -94,8 +95,9 @@ def profile(step, dev, steps=2):
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if (e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total) > 0]
     us = lambda e: e.self_device_time_total if dev == "cuda" else e.self_cpu_time_total
-    if dev == "cuda":
-        events = [e for e in events if e.device_type.name == "CUDA"]
+    if dev == "cuda":  # kernels only: not the spans of record_function ranges (Optimizer.step#...), which repeat them
+        events = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+                  and "#" not in e.key]
     kinds = {}
     for e in events:
         name = e.key.lower()
@@ -115,7 +117,7 @@ def main():
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4096, help="rows of draft logits alive at once in the loss")
     choice = lambda x: x if x == "auto" else {"true": True, "false": False}[x]
-    for key in ("compile", "recompute", "fused-loss"):
+    for key in ("compile", "recompute", "fused-loss", "split-step-grads", "diag-split"):
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
     p.add_argument("--freeze-lm-head", type=choice, default=None, help="true/false; default: train's (true)")
@@ -128,7 +130,8 @@ def main():
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    given = {"attention": a.attention, "compile": a.compile, "recompute": a.recompute, "fused_loss": a.fused_loss}
+    given = {"attention": a.attention, "compile": a.compile, "recompute": a.recompute, "fused_loss": a.fused_loss,
+             "split_step_grads": a.split_step_grads, "diag_split": a.diag_split}
     if a.freeze_lm_head is not None:
         given["freeze_lm_head"] = a.freeze_lm_head
     run = resolve_runtime(resolve_config(given), dev)
@@ -149,7 +152,7 @@ def main():
                           rms_norm_eps=1e-5, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
         model = Eagle3Draft(cfg).to(dev)
-        model.attention, model.compiled, model.recompute, model.fused_loss = (run[k] for k in AUTO_KEYS)
+        set_runtime(model, run)
         if run["freeze_lm_head"]:
             model.lm_head.weight.requires_grad_(False)
         g = torch.Generator(device=dev).manual_seed(0)

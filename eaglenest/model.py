@@ -27,6 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # torch < 2.9: return_lse
+    _AuxRequest = None
 from torch.utils.checkpoint import checkpoint
 
 from .vllm_format import draft_to_target_ids
@@ -130,6 +135,40 @@ class Attention(nn.Module):
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
+    def attend_ttt(self, q, keys, values, causal, valid):
+        """TTT attention over the key buffer [B, nKV, J·S, hd] in two parts: the causal part over
+        step 0's keys (slot 0, ``causal`` a [S, S] bool mask or a flex BlockMask of it) with its
+        log-sum-exp, and the diagonal part, one key per later step i at the query's own position
+        (slots 1..J-1, ``valid`` [J-1] bool: step i's key is written and seen), merged exactly by
+        their log-sum-exps. The diagonal keys are then elementwise products instead of flex blocks
+        of which only the diagonal counts (a quarter of the blocks at TTT 7). -> [B, S, H]."""
+        B, nh, S, hd = q.shape
+        g, J = nh // self.n_kv, keys.shape[2] // S
+        k0, v0 = keys[:, :, :S], values[:, :, :S]
+        if isinstance(causal, torch.Tensor):  # CPU (tests): the same thing in plain ops
+            scores = (q.float() @ k0.float().repeat_interleave(g, 1).transpose(-1, -2)) / hd**0.5
+            scores = scores.masked_fill(~causal, float("-inf"))
+            lse = scores.logsumexp(-1)
+            out_c = torch.softmax(scores, -1) @ v0.float().repeat_interleave(g, 1)
+        else:
+            flex = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex_attention()
+            kw = {"block_mask": causal, "enable_gqa": g > 1, "kernel_options": flex_kernel_options(q)}
+            if _AuxRequest is not None:  # return_lse is deprecated where AuxRequest exists
+                out_c, aux = flex(q, k0, v0, return_aux=_AuxRequest(lse=True), **kw)
+                lse = aux.lse
+            else:
+                out_c, lse = flex(q, k0, v0, return_lse=True, **kw)
+        qg = q.view(B, self.n_kv, g, S, hd).float()
+        kd = keys.view(B, self.n_kv, J, S, hd)[:, :, 1:].float()
+        vd = values.view(B, self.n_kv, J, S, hd)[:, :, 1:].float()
+        s = (qg.unsqueeze(3) * kd.unsqueeze(2)).sum(-1) / hd**0.5  # [B, nKV, g, J-1, S]
+        s = s.masked_fill(~valid.view(1, 1, 1, -1, 1), float("-inf"))
+        lse_c = lse.view(B, self.n_kv, g, S).float()
+        m = torch.cat([lse_c.unsqueeze(3), s], dim=3).logsumexp(3)  # [B, nKV, g, S]
+        out = torch.exp(lse_c - m).unsqueeze(-1) * out_c.view(B, self.n_kv, g, S, hd).float()
+        out = out + (torch.exp(s - m.unsqueeze(3)).unsqueeze(-1) * vd.unsqueeze(2)).sum(3)
+        return self.o_proj(out.to(q.dtype).view(B, nh, S, hd).transpose(1, 2).reshape(B, S, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
@@ -152,14 +191,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, past_kv, mask, slot=None):
+    def forward(self, embeds, hidden, cos, sin, past_kv, mask, slot=None, valid=None):
         """One draft step. ``past_kv``: (k, v) pairs of earlier steps, prepended to this step's keys
         in order; ``mask`` [S, S_past + S] covers them. Returns the pre-norm output and this step's (k, v).
 
         With ``slot`` (int64 [S]): ``past_kv`` is one (k, v) pair of full-length buffers
         [B, nKV, J·S, hd] and this step's keys go to positions ``slot`` of a copy of them (the keys
         seen are then the whole buffer, ``mask`` a BlockMask that skips the unwritten part);
-        returns the pre-norm output and the updated buffers."""
+        returns the pre-norm output and the updated buffers. With ``valid`` too: ``mask`` is step 0's
+        causal mask only and the later steps' keys are attended on the diagonal (``attend_ttt``)."""
         embeds = self.input_layernorm(embeds)
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
@@ -176,7 +216,10 @@ class DecoderLayer(nn.Module):
             values = past_kv[1].index_copy(2, slot, v.to(past_kv[1].dtype))
             k, v = keys, values
             q = q.to(keys.dtype)
-        residual = self.self_attn.attend(q, keys, values, mask) + residual
+        if valid is not None:
+            residual = self.self_attn.attend_ttt(q, keys, values, mask, valid) + residual
+        else:
+            residual = self.self_attn.attend(q, keys, values, mask) + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual, (k, v)
 
 
@@ -220,6 +263,17 @@ def _ttt_mask_mod(T):
         return torch.where(k < T, k <= q, (k % T) == q)
 
     return allowed
+
+
+@functools.lru_cache(maxsize=32)
+def causal_block_mask(T, device):
+    """Flex attention's BlockMask of a causal [T, T] mask (``diag_split``'s part over step 0)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q, k):
+        return k <= q
+
+    return create_block_mask(causal, None, None, T, T, device=device, BLOCK_SIZE=FLEX_BLOCK)
 
 
 @functools.lru_cache(maxsize=32)
@@ -304,10 +358,19 @@ class Eagle3Draft(nn.Module):
     # compiled: the flex step is one torch.compile'd function (see ``_flex_step``).
     # recompute: each TTT step's activations are recomputed in backward instead of kept.
     # fused_loss: ``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept).
+    # split_step_grads: each flex TTT step gets its own alias of the weights the steps share, and
+    #   their gradients are summed in one pass when backward is done (``_sum_step_grads``) instead
+    #   of autograd adding them into one buffer step by step (6 bf16 adds at TTT 7, about 4% of a
+    #   step at Kimi-K2.5 sizes); costs ttt_length bf16 gradients of the layer at the end of
+    #   backward. Not under DDP, whose hooks watch the parameters' own gradients.
     attention = "sdpa"
     compiled = False
     recompute = False
     fused_loss = False
+    split_step_grads = False
+    # diag_split: flex path: flex attention over step 0's causal keys only, the later steps' keys
+    #   (one per query, on the diagonal) merged in elementwise (``Attention.attend_ttt``).
+    diag_split = False
 
     def step_mask(self, T, step, device):
         return ttt_mask(T, step, device)
@@ -359,7 +422,11 @@ class Eagle3Draft(nn.Module):
         attn = self.midlayer.self_attn
         hidden = self.fc(aux_hidden)
         device = input_ids.device
-        if device.type == "cuda" or self.compiled:
+        valid = [None] * ttt_length
+        if self.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
+            masks = [causal_block_mask(T, str(device)) if device.type == "cuda" or self.compiled else ttt_mask(T, 0, device)] * ttt_length
+            valid = [torch.arange(1, ttt_length, device=device) <= j for j in range(ttt_length)]
+        elif device.type == "cuda" or self.compiled:
             masks = ttt_block_masks(T, ttt_length, str(device))
         else:  # CPU (tests): flex has no backward there, and uncompiled it evaluates the mask_mod
             # densely, which the block lists above rely on not happening; the same pattern as dense masks
@@ -371,23 +438,41 @@ class Eagle3Draft(nn.Module):
         v_buf = torch.zeros_like(k_buf, requires_grad=grad)
         base = torch.arange(T, device=device)
         step = self._compiled_step() if self.compiled else self._flex_step
-        outs = []
+        shared = None
+        if self.split_step_grads and grad:
+            shared = {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
+        outs, aliases = [], []
         for j in range(ttt_length):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
+            weights = None
+            if shared:  # the same storage, a leaf of its own: this step's gradient lands apart
+                weights = {n: p.detach().requires_grad_() for n, p in shared.items()}
+                aliases.append(weights)
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
-            hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j])
+            hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j],
+                                                weights, valid[j])
             outs.append(normed)
+        if aliases:
+            leaves = [w[n] for w in aliases for n in shared]
+            torch.autograd.graph.register_multi_grad_hook(leaves, functools.partial(_sum_step_grads, list(shared.values())))
         return outs
 
-    def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask):
+    def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask, weights=None, valid=None):
         """One fixed-shape TTT step -> (pre-norm output, normed output, k_buf, v_buf). With
         ``recompute`` its activations are recomputed in backward (inside the compiled graph, the
-        checkpoint becomes a region the partitioner recomputes)."""
+        checkpoint becomes a region the partitioner recomputes). ``weights``: tensors to use in place
+        of the parameters of the same names (``split_step_grads``)."""
 
         def body(embeds, hidden, cos, sin, k_buf, v_buf, slot):
             embeds = embeds.to(self.fc.weight.dtype)
-            out, (k_buf, v_buf) = self.midlayer(embeds, hidden, cos, sin, (k_buf, v_buf), block_mask, slot=slot)
-            return out, self.norm(out), k_buf, v_buf
+            args, kwargs = (embeds, hidden, cos, sin, (k_buf, v_buf), block_mask), {"slot": slot, "valid": valid}
+            if weights is None:
+                out, (k_buf, v_buf) = self.midlayer(*args, **kwargs)
+                return out, self.norm(out), k_buf, v_buf
+            mid = {n.removeprefix("midlayer."): w for n, w in weights.items() if n.startswith("midlayer.")}
+            out, (k_buf, v_buf) = torch.func.functional_call(self.midlayer, mid, args, kwargs)
+            norm = {n.removeprefix("norm."): w for n, w in weights.items() if n.startswith("norm.")}
+            return out, torch.func.functional_call(self.norm, norm, (out,)), k_buf, v_buf
 
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(body, embeds, hidden, cos, sin, k_buf, v_buf, slot, use_reentrant=False)
@@ -443,6 +528,43 @@ class Eagle3Draft(nn.Module):
         out = torch.stack(proposals, dim=1).cpu()
         out[T - 1 :] = -1  # no token t+1 to start from
         return out
+
+
+def _sum_step_grads(params, grads):
+    """``split_step_grads``' multi-grad hook: ``grads`` are the step aliases' gradients, step by step,
+    in the order of ``params``; each parameter gets their sum (added to a gradient it already has,
+    as when micro-batches accumulate)."""
+    n = len(params)
+    parts = [[g for g in grads[i::n] if g is not None] for i in range(n)]
+    compiled = any(g.is_cuda for ps in parts for g in ps)
+    sums = (_compiled_sum_parts() if compiled else _sum_parts)(parts)
+    for p, total in zip(params, sums):
+        if total is None:
+            continue
+        if p.grad is None:
+            p.grad = total
+        else:
+            p.grad += total
+
+
+def _sum_parts(parts):
+    """Each list's sum, in fp32, rounded once to the parts' dtype and written into its first part."""
+    out = []
+    for ps in parts:
+        if not ps:
+            out.append(None)
+            continue
+        total = ps[0].float()
+        for g in ps[1:]:
+            total = total + g.float()
+        out.append(ps[0].copy_(total))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_sum_parts():
+    # one kernel per parameter reading every step's gradient once; static shapes: one graph a run
+    return torch.compile(_sum_parts, dynamic=False)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -512,6 +634,23 @@ def ttt_loss_plan(rows, T, ttt_length, n_flat):
         h_index.append(rows[sel] - 1 - j + j * n_flat)
         step.append(torch.full_like(sel, j))
     return {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step)}
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for an ``index`` without repeats: its backward copies the rows
+    back (index_copy) instead of index_select's atomic index_add (about 1 ms a step at Kimi-K2.5
+    sizes, TTT 7, on an H200)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, index, grad), None
 
 
 class _LinearSoftCE(torch.autograd.Function):
@@ -589,7 +728,7 @@ def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=40
     plan = targets.get("plan")
     if plan is None:
         plan = ttt_loss_plan(targets["rows"], T, J, B * T)
-    hidden = torch.stack(outs).reshape(J * B * T, H).index_select(0, plan["h_index"])
+    hidden = _GatherRows.apply(torch.stack(outs).reshape(J * B * T, H), plan["h_index"])
     p_index, step = plan["p_index"], plan["step"]
     w = targets["in_draft"][p_index].float()
     def per_step(x):

@@ -87,8 +87,10 @@ class MasterAdamW(torch.optim.Optimizer):
             n = self.state[params[0]]["step"] + 1
             scalars = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], 1 - beta1**n, 1 - beta2**n)
             compiled = self.compiled if self.compiled is not None else params[0].is_cuda
-            if compiled:  # one small copy a step
-                scalars = tuple(torch.tensor(scalars, dtype=torch.float32, device=params[0].device).unbind())
+            if compiled:  # one small copy a step, from pinned memory: a pageable one would wait for the device
+                host = torch.tensor(scalars, dtype=torch.float32)
+                host = host.pin_memory() if params[0].is_cuda else host
+                scalars = tuple(host.to(params[0].device, non_blocking=True).unbind())
             for p in params:
                 self.state[p]["step"] = n
             slots = ([self.state[p][k] for p in params] for k in _SLOTS)

@@ -44,7 +44,7 @@ CHECKPOINT_FORMAT = "eaglenest.draft/1"
 DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
             "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
-AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss")  # the model's attributes of the same names
+AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split")  # the model's settings (set_runtime)
 
 
 def resolve_config(config):
@@ -75,9 +75,12 @@ def resolve_runtime(cfg, device):
         # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then (the
         # default freezes it: see freeze_lm_head in the schema).
         out["recompute"] = cuda and not out["freeze_lm_head"]
+    for key in ("split_step_grads", "diag_split"):  # flex path only
+        if out[key] == "auto":
+            out[key] = cuda and out["attention"] == "flex"
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
-    for key in ("compile", "recompute", "fused_loss", "bf16_weights"):
+    for key in ("compile", "recompute", "fused_loss", "bf16_weights", "split_step_grads", "diag_split"):
         if not isinstance(out[key], bool):
             raise ValueError(f"train.{key} must be auto, true or false, got {out[key]!r}")
     if out["compile"] and (not cuda or out["attention"] != "flex"):
@@ -85,7 +88,18 @@ def resolve_runtime(cfg, device):
             f"train.compile: true needs attention: flex on a CUDA device (here attention {out['attention']!r} on "
             f"{device}): flex attention has no backward on CPU; set compile: auto or false"
         )
+    for key in ("split_step_grads", "diag_split"):
+        if out[key] and out["attention"] != "flex":
+            raise ValueError(f"train.{key}: true needs attention: flex (here {out['attention']!r}); set it to auto or false")
     return out
+
+
+def set_runtime(model, cfg, world=1):
+    """The model's settings from a ``resolve_runtime`` config; ``split_step_grads`` only in a single
+    process (DDP's reducer watches the parameters' own gradients)."""
+    model.attention, model.compiled, model.recompute, model.fused_loss = (cfg[k] for k in AUTO_KEYS[:4])
+    model.split_step_grads = cfg["split_step_grads"] and world == 1
+    model.diag_split = cfg["diag_split"]
 
 
 def _round_up(n, m):
@@ -494,7 +508,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     dcfg = draft_config(info, len(d2t), cfg)
     torch.manual_seed(cfg["seed"])
     model = Eagle3Draft(dcfg)
-    model.attention, model.compiled, model.recompute, model.fused_loss = (cfg[k] for k in AUTO_KEYS)
+    set_runtime(model, cfg, world)
     init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
     # The target's embedding stays in host memory: the loader looks up each batch's rows there
     # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
@@ -549,7 +563,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         break
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
-    how = f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights {cfg['bf16_weights']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}"
+    how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
+           f"{cfg['bf16_weights']}, step grads split {model.split_step_grads}, diagonal split {cfg['diag_split']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)

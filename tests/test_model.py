@@ -148,12 +148,18 @@ def test_chunked_loss_matches_one_chunk():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("attention,fused,recompute", [("sdpa", True, False), ("sdpa", False, True), ("flex", True, True), ("flex", False, False)])
-def test_fast_path_layouts_compute_the_reference(attention, fused, recompute):
+@pytest.mark.parametrize("attention,fused,recompute,split,diag", [
+    ("sdpa", True, False, False, False), ("sdpa", False, True, False, False), ("flex", True, True, False, False),
+    ("flex", False, False, False, False), ("flex", True, False, True, False), ("flex", True, True, True, False),
+    ("flex", True, False, False, True), ("flex", True, True, True, True), ("flex", False, False, True, True),
+])
+def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, split, diag):
     """The GPU path's pieces (fixed-shape key buffer, fused loss, recomputation) give the reference
     path's loss, stats and gradients. On CPU the flex layout runs with dense masks over its buffer
     (flex attention has no CPU backward); the flex kernel itself is checked on the GPU
-    (benchmarks/gpu_check.py)."""
+    (benchmarks/gpu_check.py). ``split``: each step's weight gradients apart, summed after backward;
+    a second backward (a second micro-batch) adds to them. ``diag``: the later steps' keys attended
+    on the diagonal, merged with step 0's causal part by log-sum-exp."""
     torch.manual_seed(0)
     model = make_model().train()
     B, T = 2, 128  # the flex layout needs T a multiple of 128
@@ -162,17 +168,45 @@ def test_fast_path_layouts_compute_the_reference(attention, fused, recompute):
     targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD), -1),
                "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.rand(len(rows)) > 0.2}
     results = []
-    for variant in (("sdpa", False, False), (attention, fused, recompute)):
-        model.attention, model.fused_loss, model.recompute = variant
-        model.zero_grad()
-        loss, stats = model(ids, aux, targets, ttt_length=J, chunk=50)  # several loss chunks
-        loss.backward()
+    for variant in (("sdpa", False, False, False, False), (attention, fused, recompute, split, diag)):
+        model.attention, model.fused_loss, model.recompute, model.split_step_grads, model.diag_split = variant
+        model.zero_grad(set_to_none=True)
+        for _ in range(2):
+            loss, stats = model(ids, aux, targets, ttt_length=J, chunk=50)  # several loss chunks
+            loss.backward()
         results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()]))
     (l0, s0, g0), (l1, s1, g1) = results
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-3)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("diag", [False, True])
+def test_step_with_weight_aliases_compiles_whole(diag):
+    """The compiled TTT step (fullgraph) traces with per-step weight aliases, and with the diagonal
+    split of its attention, and gives their gradients (dynamo and AOT autograd on CPU; inductor's
+    kernels and flex attention are checked on the GPU)."""
+    from eaglenest.model import ttt_mask
+
+    model = make_model().train()
+    T = 16
+    g = torch.Generator().manual_seed(3)
+    embeds, hidden = torch.randn(1, T, H, generator=g), torch.randn(1, T, H, generator=g, requires_grad=True)
+    cos, sin = model.rotary_emb(hidden, torch.arange(T).unsqueeze(0))
+    attn = model.midlayer.self_attn
+    kv = [torch.randn(1, attn.n_kv, 2 * T, attn.head_dim, generator=g) for _ in range(2)]  # step 1: step 0's keys written
+    mask, valid = (ttt_mask(T, 0), torch.tensor([True])) if diag else (ttt_mask(T, 1), None)
+    compiled = torch.compile(model._flex_step, backend="aot_eager", fullgraph=True, dynamic=False)
+    grads = []
+    for fn in (model._flex_step, compiled):
+        weights = {n: p.detach().requires_grad_() for n, p in model.named_parameters() if n.split(".")[0] in ("midlayer", "norm")}
+        out, normed, _, _ = fn(embeds, hidden, cos, sin, *kv, torch.arange(T) + T, mask, weights, valid)
+        (out.sum() + normed.pow(2).sum()).backward()
+        grads.append({n: w.grad for n, w in weights.items()})
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 5
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n])
 
 
 def test_flex_block_masks_share_shapes_and_mask_mod():

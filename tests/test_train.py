@@ -253,6 +253,13 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     assert train.resolve_runtime({**cfg, "freeze_lm_head": False}, "cuda")["recompute"] is True
     with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
         train.resolve_runtime({**cfg, "compile": True}, "cpu")
+    assert (cpu["split_step_grads"], cpu["diag_split"], cuda["split_step_grads"], cuda["diag_split"]) == (False, False, True, True)
+    for key in ("split_step_grads", "diag_split"):
+        with pytest.raises(ValueError, match=f"train.{key}: true needs attention: flex"):
+            train.resolve_runtime({**cfg, key: True}, "cpu")
+    model = type("M", (), {})()
+    train.set_runtime(model, cuda, world=2)  # DDP watches the parameters' own gradients
+    assert model.split_step_grads is False and model.diag_split is True
     # compiled: batches padded to one shape per padded length
     assert train.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
     assert train.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)
