@@ -359,7 +359,7 @@ class Eagle3Draft(nn.Module):
     # recompute: each TTT step's activations are recomputed in backward instead of kept.
     # fused_loss: ``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept).
     # split_step_grads: each flex TTT step gets its own alias of the weights the steps share, and
-    #   their gradients are summed in one pass when backward is done (``_sum_step_grads``) instead
+    #   their gradients are summed in one pass when backward is done (``_StepGrads``) instead
     #   of autograd adding them into one buffer step by step (6 bf16 adds at TTT 7, about 4% of a
     #   step at Kimi-K2.5 sizes); costs ttt_length bf16 gradients of the layer at the end of
     #   backward. Not under DDP, whose hooks watch the parameters' own gradients.
@@ -441,20 +441,19 @@ class Eagle3Draft(nn.Module):
         shared = None
         if self.split_step_grads and grad:
             shared = {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
-        outs, aliases = [], []
+        outs = []
+        collect = _StepGrads(list(shared.values())) if shared else None
         for j in range(ttt_length):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             weights = None
             if shared:  # the same storage, a leaf of its own: this step's gradient lands apart
                 weights = {n: p.detach().requires_grad_() for n, p in shared.items()}
-                aliases.append(weights)
+                for i, w in enumerate(weights.values()):
+                    w.register_post_accumulate_grad_hook(collect.hook(i))
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
             hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j],
                                                 weights, valid[j])
             outs.append(normed)
-        if aliases:
-            leaves = [w[n] for w in aliases for n in shared]
-            torch.autograd.graph.register_multi_grad_hook(leaves, functools.partial(_sum_step_grads, list(shared.values())))
         return outs
 
     def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask, weights=None, valid=None):
@@ -530,21 +529,37 @@ class Eagle3Draft(nn.Module):
         return out
 
 
-def _sum_step_grads(params, grads):
-    """``split_step_grads``' multi-grad hook: ``grads`` are the step aliases' gradients, step by step,
-    in the order of ``params``; each parameter gets their sum (added to a gradient it already has,
-    as when micro-batches accumulate)."""
-    n = len(params)
-    parts = [[g for g in grads[i::n] if g is not None] for i in range(n)]
-    compiled = any(g.is_cuda for ps in parts for g in ps)
-    sums = (_compiled_sum_parts() if compiled else _sum_parts)(parts)
-    for p, total in zip(params, sums):
-        if total is None:
-            continue
-        if p.grad is None:
-            p.grad = total
-        else:
-            p.grad += total
+class _StepGrads:
+    """``split_step_grads``: collects the step aliases' gradients as autograd stores them (a
+    post-accumulate hook takes each alias's ``.grad`` and drops it from the alias: no copy) and, at
+    the end of that backward, gives each parameter their sum (added to a gradient it already has,
+    as when micro-batches accumulate). Holds no alias, so nothing outlives the backward."""
+
+    def __init__(self, params):
+        self.params = params
+        self.parts = [[] for _ in params]
+        self.queued = False
+
+    def hook(self, i):
+        def take(alias):
+            self.parts[i].append(alias.grad)
+            alias.grad = None
+            if not self.queued:  # once per backward: sum when the engine is done
+                self.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+        return take
+
+    def finish(self):
+        parts, self.parts, self.queued = self.parts, [[] for _ in self.params], False
+        compiled = any(g.is_cuda for ps in parts for g in ps)
+        for p, total in zip(self.params, (_compiled_sum_parts() if compiled else _sum_parts)(parts)):
+            if total is None:
+                continue
+            if p.grad is None:
+                p.grad = total
+            else:
+                p.grad += total
 
 
 def _sum_parts(parts):

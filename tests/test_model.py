@@ -221,3 +221,32 @@ def test_flex_block_masks_share_shapes_and_mask_mod():
         assert d[:, (j + 1) * 2 :].sum() == 0 and d[:, j * 2 : (j + 1) * 2].sum() > 0
     with pytest.raises(ValueError, match="multiple of 128"):
         ttt_block_masks(100, 3, "cpu")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects meets a deprecated torch.distributed alias
+def test_split_step_grads_leave_nothing_behind():
+    """The step aliases and their gradients die with each backward (a hook that held them would keep
+    ttt_length copies of the layer's gradient alive per step: the GPU ran out of memory that way)."""
+    import gc
+
+    model = make_model().train()
+    model.attention, model.fused_loss, model.split_step_grads = "flex", True, True
+    B, T = 1, 128
+    ids, aux = inputs(B=B, T=T)
+    rows = torch.arange(1, B * T)
+    targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD), -1),
+               "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.ones(len(rows), dtype=torch.bool)}
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    counts = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        loss, _ = model(ids, aux, targets, ttt_length=J, chunk=50)
+        loss.backward()
+        del loss
+        counts.append(live_tensors())
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert counts[1] == counts[3], counts
