@@ -11,7 +11,7 @@
 # The peer needs speculators: put its wheels in .whl/ (../shared/bench/README.md lists them) and
 # its benchmark in shared_bench/; both are installed/used from there when present.
 set -u -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."  # BASH_SOURCE: right when sourced too (GPU_ALL_ONLY_FUNCTIONS=1)
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
