@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from .vllm_format import draft_to_target_ids
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
 except ImportError:  # torch < 2.9: return_lse
     _AuxRequest = None
-from torch.utils.checkpoint import checkpoint
-
-from .vllm_format import draft_to_target_ids
 
 
 @dataclass
