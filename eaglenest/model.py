@@ -442,7 +442,7 @@ class Eagle3Draft(nn.Module):
         if self.split_step_grads and grad:
             shared = {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
         outs = []
-        collect = _StepGrads(list(shared.values())) if shared else None
+        collect = _StepGrads(list(shared.values()), compiled=self.compiled) if shared else None
         for j in range(ttt_length):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             weights = None
@@ -535,8 +535,8 @@ class _StepGrads:
     the end of that backward, gives each parameter their sum (added to a gradient it already has,
     as when micro-batches accumulate). Holds no alias, so nothing outlives the backward."""
 
-    def __init__(self, params):
-        self.params = params
+    def __init__(self, params, compiled=False):
+        self.params, self.compiled = params, compiled  # compiled: the sum as one kernel per parameter
         self.parts = [[] for _ in params]
         self.queued = False
 
@@ -552,8 +552,7 @@ class _StepGrads:
 
     def finish(self):
         parts, self.parts, self.queued = self.parts, [[] for _ in self.params], False
-        compiled = any(g.is_cuda for ps in parts for g in ps)
-        for p, total in zip(self.params, (_compiled_sum_parts() if compiled else _sum_parts)(parts)):
+        for p, total in zip(self.params, (_compiled_sum_parts() if self.compiled else _sum_parts)(parts)):
             if total is None:
                 continue
             if p.grad is None:
