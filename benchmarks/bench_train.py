@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import eaglenest.model
-
-from eaglenest.optim import clip_and_step
 from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
+from eaglenest.optim import clip_and_step
 from eaglenest.train import (AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime,
                              set_runtime, target_distribution)
 
