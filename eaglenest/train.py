@@ -45,6 +45,7 @@ DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device",
             "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
 AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split")  # the model's settings (set_runtime)
+FLEX_ONLY = ("split_step_grads", "diag_split")  # AUTO_KEYS that only the flex path has
 
 
 def resolve_config(config):
@@ -75,12 +76,12 @@ def resolve_runtime(cfg, device):
         # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then (the
         # default freezes it: see freeze_lm_head in the schema).
         out["recompute"] = cuda and not out["freeze_lm_head"]
-    for key in ("split_step_grads", "diag_split"):  # flex path only
+    for key in FLEX_ONLY:
         if out[key] == "auto":
             out[key] = cuda and out["attention"] == "flex"
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
-    for key in ("compile", "recompute", "fused_loss", "bf16_weights", "split_step_grads", "diag_split"):
+    for key in ("compile", "recompute", "fused_loss", "bf16_weights", *FLEX_ONLY):
         if not isinstance(out[key], bool):
             raise ValueError(f"train.{key} must be auto, true or false, got {out[key]!r}")
     if out["compile"] and (not cuda or out["attention"] != "flex"):
@@ -88,7 +89,7 @@ def resolve_runtime(cfg, device):
             f"train.compile: true needs attention: flex on a CUDA device (here attention {out['attention']!r} on "
             f"{device}): flex attention has no backward on CPU; set compile: auto or false"
         )
-    for key in ("split_step_grads", "diag_split"):
+    for key in FLEX_ONLY:
         if out[key] and out["attention"] != "flex":
             raise ValueError(f"train.{key}: true needs attention: flex (here {out['attention']!r}); set it to auto or false")
     return out
@@ -97,9 +98,9 @@ def resolve_runtime(cfg, device):
 def set_runtime(model, cfg, world=1):
     """The model's settings from a ``resolve_runtime`` config; ``split_step_grads`` only in a single
     process (DDP's reducer watches the parameters' own gradients)."""
-    model.attention, model.compiled, model.recompute, model.fused_loss = (cfg[k] for k in AUTO_KEYS[:4])
+    model.attention, model.compiled, model.recompute = cfg["attention"], cfg["compile"], cfg["recompute"]
+    model.fused_loss, model.diag_split = cfg["fused_loss"], cfg["diag_split"]
     model.split_step_grads = cfg["split_step_grads"] and world == 1
-    model.diag_split = cfg["diag_split"]
 
 
 def _round_up(n, m):
