@@ -417,7 +417,9 @@ class Eagle3Draft(nn.Module):
         flex attention's per-step block mask skips what is not written yet, so every step calls
         ``_flex_step`` with the same shapes, dtypes and mask_mod. Compiled, that is ONE graph for
         any ttt_length (7 or 10), instead of one per step and a dynamo recompile limit that drops
-        the rest to eager; the price is a buffer of J·T keys (tens of MB) per step."""
+        the rest to eager; the price is a buffer of J·T keys (tens of MB) per step. With
+        ``diag_split`` the mask is step 0's causal one at every step and ``valid`` (values only)
+        says which later steps' diagonal keys are written."""
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         hidden = self.fc(aux_hidden)
@@ -438,9 +440,7 @@ class Eagle3Draft(nn.Module):
         v_buf = torch.zeros_like(k_buf, requires_grad=grad)
         base = torch.arange(T, device=device)
         step = self._compiled_step() if self.compiled else self._flex_step
-        shared = None
-        if self.split_step_grads and grad:
-            shared = {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
+        shared = self.step_params() if self.split_step_grads and grad else None
         outs = []
         collect = _StepGrads(list(shared.values()), compiled=self.compiled) if shared else None
         for j in range(ttt_length):
@@ -455,6 +455,11 @@ class Eagle3Draft(nn.Module):
                                                 weights, valid[j])
             outs.append(normed)
         return outs
+
+    def step_params(self):
+        """The trained parameters every TTT step uses (the decoder layer's and the final norm's), by
+        name: what ``split_step_grads`` gives each step an alias of."""
+        return {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
 
     def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask, weights=None, valid=None):
         """One fixed-shape TTT step -> (pre-norm output, normed output, k_buf, v_buf). With

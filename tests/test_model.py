@@ -200,7 +200,7 @@ def test_step_with_weight_aliases_compiles_whole(diag):
     compiled = torch.compile(model._flex_step, backend="aot_eager", fullgraph=True, dynamic=False)
     grads = []
     for fn in (model._flex_step, compiled):
-        weights = {n: p.detach().requires_grad_() for n, p in model.named_parameters() if n.split(".")[0] in ("midlayer", "norm")}
+        weights = {n: p.detach().requires_grad_() for n, p in model.step_params().items()}
         out, normed, _, _ = fn(embeds, hidden, cos, sin, *kv, torch.arange(T) + T, mask, weights, valid)
         (out.sum() + normed.pow(2).sum()).backward()
         grads.append({n: w.grad for n, w in weights.items()})
