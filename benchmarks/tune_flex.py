@@ -12,19 +12,15 @@ choice is printed by inductor to stderr). A candidate torch rejects is reported 
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from eaglenest.model import FLEX_BLOCK, ttt_block_masks
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import SIZES, timed  # noqa: E402  (head_dim = hidden // heads, as bench_train builds the draft)
 
-SIZES = {  # hidden, heads, kv heads (bench_train's sizes: head_dim = hidden // heads)
-    "llama8b": (4096, 32, 8),
-    "kimi": (7168, 64, 8),
-    "tiny": (256, 4, 2),
-}
+from eaglenest.model import FLEX_BLOCK, ttt_block_masks  # noqa: E402
 
 FWD_128 = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8}  # torch's H100 pick for hd 128
 CANDIDATES = [
@@ -61,16 +57,9 @@ def measure(options, q, k, v, masks, gout, iters, mode=None):
     for _ in range(2):
         run_steps(fn, q, k, v, masks, gout)
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run_steps(fn, q, k, v, masks, gout)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
+    ms = timed(lambda: run_steps(fn, q, k, v, masks, gout), iters, "cuda") * 1e3
     q.grad = k.grad = v.grad = None
-    return statistics.median(ts)
+    return ms
 
 
 def main():
@@ -87,7 +76,7 @@ def main():
         print("tune_flex: needs CUDA (flex attention's Triton kernels); nothing measured")
         return
     for size in ["tiny"] if a.small else a.sizes:
-        H, nh, nkv = SIZES[size]
+        H, _, nh, nkv, _ = SIZES[size]
         hd, T, J = H // nh, (256 if a.small else a.seq), a.ttt
         T = -(-T // FLEX_BLOCK) * FLEX_BLOCK
         g = torch.Generator(device="cuda").manual_seed(0)
