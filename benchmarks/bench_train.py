@@ -116,7 +116,7 @@ def main():
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4096, help="rows of draft logits alive at once in the loss")
     choice = lambda x: x if x == "auto" else {"true": True, "false": False}[x]
-    for key in ("compile", "recompute", "fused-loss", "split-step-grads", "diag-split"):
+    for key in ("compile", "recompute", "fused-loss", "split-step-grads", "diag-split", "skip-unscored"):
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
     p.add_argument("--freeze-lm-head", type=choice, default=None, help="true/false; default: train's (true)")
@@ -130,7 +130,7 @@ def main():
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     given = {"attention": a.attention, "compile": a.compile, "recompute": a.recompute, "fused_loss": a.fused_loss,
-             "split_step_grads": a.split_step_grads, "diag_split": a.diag_split}
+             "split_step_grads": a.split_step_grads, "diag_split": a.diag_split, "skip_unscored": a.skip_unscored}
     if a.freeze_lm_head is not None:
         given["freeze_lm_head"] = a.freeze_lm_head
     run = resolve_runtime(resolve_config(given), dev)

@@ -135,6 +135,42 @@ class Attention(nn.Module):
         B, _, S, _ = q.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
+    def causal_lse(self, q, k0, v0, causal):
+        """Attention of ``q`` [B, nH, S, hd] over step 0's keys [B, nKV, S, hd] under ``causal`` (a
+        [S, S] bool mask or a flex BlockMask of it) -> (out [B, nH, S, hd], log-sum-exp [B, nH, S])."""
+        g, hd = q.shape[1] // self.n_kv, q.shape[-1]
+        if isinstance(causal, torch.Tensor):  # CPU (tests): the same thing in plain ops
+            scores = (q.float() @ k0.float().repeat_interleave(g, 1).transpose(-1, -2)) / hd**0.5
+            scores = scores.masked_fill(~causal, float("-inf"))
+            return torch.softmax(scores, -1) @ v0.float().repeat_interleave(g, 1), scores.logsumexp(-1)
+        flex = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex_attention()
+        kw = {"block_mask": causal, "enable_gqa": g > 1, "kernel_options": flex_kernel_options(q)}
+        if _AuxRequest is not None:  # return_lse is deprecated where AuxRequest exists
+            out, aux = flex(q, k0, v0, return_aux=_AuxRequest(lse=True), **kw)
+            return out, aux.lse
+        return flex(q, k0, v0, return_lse=True, **kw)
+
+    def attend_chains(self, q, k0, v0, kd, vd, causal, valid, chains):
+        """``attend_ttt`` for a later TTT step run only at some chains: ``q`` [N, nH, hd] at the flat
+        positions ``chains`` [N] (b·T + t, distinct) of step 0's keys ``k0``, ``v0`` [B, nKV, T, hd];
+        ``kd``, ``vd`` [N, J-1, nKV, hd] the chains' own keys of steps 1..J-1 (``valid`` [J-1]: written
+        and seen). The causal part runs over all B·T query positions (the chains' queries scattered
+        into place, the rest zero and discarded), so it is step 0's flex call as is. -> [N, H]."""
+        N, nh, hd = q.shape
+        B, _, T, _ = k0.shape
+        g = nh // self.n_kv
+        q_all = q.new_zeros(B * T, nh, hd).index_copy(0, chains, q).view(B, T, nh, hd).transpose(1, 2)
+        out_c, lse = self.causal_lse(q_all, k0, v0, causal)
+        out_c = out_c.transpose(1, 2).reshape(B * T, nh, hd).index_select(0, chains)
+        lse_c = lse.transpose(1, 2).reshape(B * T, nh).index_select(0, chains).float().view(N, self.n_kv, g)
+        qg = q.view(N, self.n_kv, g, hd).float()
+        s = (qg.unsqueeze(1) * kd.float().unsqueeze(3)).sum(-1) / hd**0.5  # [N, J-1, nKV, g]
+        s = s.masked_fill(~valid.view(1, -1, 1, 1), float("-inf"))
+        m = torch.cat([lse_c.unsqueeze(1), s], dim=1).logsumexp(1)  # [N, nKV, g]
+        out = torch.exp(lse_c - m).unsqueeze(-1) * out_c.view(N, self.n_kv, g, hd).float()
+        out = out + (torch.exp(s - m.unsqueeze(1)).unsqueeze(-1) * vd.float().unsqueeze(3)).sum(1)
+        return self.o_proj(out.to(q.dtype).reshape(N, nh * hd))
+
     def attend_ttt(self, q, keys, values, causal, valid):
         """TTT attention over the key buffer [B, nKV, J·S, hd] in two parts: the causal part over
         step 0's keys (slot 0, ``causal`` a [S, S] bool mask or a flex BlockMask of it) with its
@@ -144,20 +180,7 @@ class Attention(nn.Module):
         of which only the diagonal counts (a quarter of the blocks at TTT 7). -> [B, S, H]."""
         B, nh, S, hd = q.shape
         g, J = nh // self.n_kv, keys.shape[2] // S
-        k0, v0 = keys[:, :, :S], values[:, :, :S]
-        if isinstance(causal, torch.Tensor):  # CPU (tests): the same thing in plain ops
-            scores = (q.float() @ k0.float().repeat_interleave(g, 1).transpose(-1, -2)) / hd**0.5
-            scores = scores.masked_fill(~causal, float("-inf"))
-            lse = scores.logsumexp(-1)
-            out_c = torch.softmax(scores, -1) @ v0.float().repeat_interleave(g, 1)
-        else:
-            flex = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex_attention()
-            kw = {"block_mask": causal, "enable_gqa": g > 1, "kernel_options": flex_kernel_options(q)}
-            if _AuxRequest is not None:  # return_lse is deprecated where AuxRequest exists
-                out_c, aux = flex(q, k0, v0, return_aux=_AuxRequest(lse=True), **kw)
-                lse = aux.lse
-            else:
-                out_c, lse = flex(q, k0, v0, return_lse=True, **kw)
+        out_c, lse = self.causal_lse(q, keys[:, :, :S], values[:, :, :S], causal)
         qg = q.view(B, self.n_kv, g, S, hd).float()
         kd = keys.view(B, self.n_kv, J, S, hd)[:, :, 1:].float()
         vd = values.view(B, self.n_kv, J, S, hd)[:, :, 1:].float()
@@ -191,7 +214,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, past_kv, mask, slot=None, valid=None):
+    def forward(self, embeds, hidden, cos, sin, past_kv, mask, slot=None, valid=None, chains=None):
         """One draft step. ``past_kv``: (k, v) pairs of earlier steps, prepended to this step's keys
         in order; ``mask`` [S, S_past + S] covers them. Returns the pre-norm output and this step's (k, v).
 
@@ -199,7 +222,12 @@ class DecoderLayer(nn.Module):
         [B, nKV, J·S, hd] and this step's keys go to positions ``slot`` of a copy of them (the keys
         seen are then the whole buffer, ``mask`` a BlockMask that skips the unwritten part);
         returns the pre-norm output and the updated buffers. With ``valid`` too: ``mask`` is step 0's
-        causal mask only and the later steps' keys are attended on the diagonal (``attend_ttt``)."""
+        causal mask only and the later steps' keys are attended on the diagonal (``attend_ttt``).
+
+        With ``chains`` (int64 [N], flat positions of [B, T]): a later step run at those chains only
+        (``Attention.attend_chains``): ``embeds``, ``hidden`` [N, H], ``cos``, ``sin`` [1, N, hd],
+        ``past_kv`` = (k0, v0, kd, vd), step 0's keys and the chains' own later keys, ``slot`` [1]
+        this step's index in kd/vd; returns the pre-norm output [N, H] and the updated (kd, vd)."""
         embeds = self.input_layernorm(embeds)
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
@@ -207,7 +235,15 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             hidden = self.hidden_norm(hidden)
-        q, k, v = self.self_attn.qkv(torch.cat([embeds, hidden], dim=-1), cos, sin)
+        q, k, v = self.self_attn.qkv(torch.cat([embeds, hidden], dim=-1).unsqueeze(0) if chains is not None else
+                                     torch.cat([embeds, hidden], dim=-1), cos, sin)
+        if chains is not None:
+            k0, v0, kd, vd = past_kv
+            kd = kd.index_copy(1, slot, k[0].transpose(0, 1).unsqueeze(1).to(kd.dtype))
+            vd = vd.index_copy(1, slot, v[0].transpose(0, 1).unsqueeze(1).to(vd.dtype))
+            q = q[0].transpose(0, 1).to(k0.dtype)  # [N, nH, hd]
+            residual = self.self_attn.attend_chains(q, k0, v0, kd, vd, mask, valid, chains) + residual
+            return self.mlp(self.post_attention_layernorm(residual)) + residual, (kd, vd)
         if slot is None:
             keys = torch.cat([kv[0] for kv in past_kv] + [k], dim=2)
             values = torch.cat([kv[1] for kv in past_kv] + [v], dim=2)
@@ -371,6 +407,10 @@ class Eagle3Draft(nn.Module):
     # diag_split: flex path: flex attention over step 0's causal keys only, the later steps' keys
     #   (one per query, on the diagonal) merged in elementwise (``Attention.attend_ttt``).
     diag_split = False
+    # skip_unscored: with diag_split and targets: the later TTT steps (j >= 1) run only at the base
+    #   positions whose chain still has a scored token ahead (``ttt_chains``): not at prompt or
+    #   padding positions. Exact: a later step's output at t only feeds its own chain at t.
+    skip_unscored = False
 
     def step_mask(self, T, step, device):
         return ttt_mask(T, step, device)
@@ -392,7 +432,12 @@ class Eagle3Draft(nn.Module):
                 raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
             embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
         if self.attention == "flex":
-            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length, embeds)
+            chains = None
+            if self.skip_unscored and self.diag_split and targets is not None and ttt_length > 1:
+                plan = targets.get("plan") or {}
+                B, T = input_ids.shape
+                chains = plan["chains"] if "chains" in plan else ttt_chains(targets["rows"], T, ttt_length, B * T)
+            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length, embeds, chains)
         else:
             outs = self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds)
         if targets is None:
@@ -411,7 +456,7 @@ class Eagle3Draft(nn.Module):
             outs.append(self.norm(hidden))
         return outs
 
-    def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all):
+    def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all, chains=None):
         """The same TTT as ``_ttt_dense`` at fixed shapes: the keys of all steps live in one buffer
         [B, nKV, J·T, hd] allocated up front (step j writes its slot j·T..(j+1)·T out of place) and
         flex attention's per-step block mask skips what is not written yet, so every step calls
@@ -419,7 +464,8 @@ class Eagle3Draft(nn.Module):
         any ttt_length (7 or 10), instead of one per step and a dynamo recompile limit that drops
         the rest to eager; the price is a buffer of J·T keys (tens of MB) per step. With
         ``diag_split`` the mask is step 0's causal one at every step and ``valid`` (values only)
-        says which later steps' diagonal keys are written."""
+        says which later steps' diagonal keys are written. With ``chains`` (``skip_unscored``) the
+        steps after step 0 run at those flat positions only (``_ttt_chains``)."""
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         hidden = self.fc(aux_hidden)
@@ -443,18 +489,74 @@ class Eagle3Draft(nn.Module):
         shared = self.step_params() if self.split_step_grads and grad else None
         outs = []
         collect = _StepGrads(list(shared.values()), compiled=self.compiled) if shared else None
-        for j in range(ttt_length):
+        for j in range(ttt_length if chains is None else 1):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
-            weights = None
-            if shared:  # the same storage, a leaf of its own: this step's gradient lands apart
-                weights = {n: p.detach().requires_grad_() for n, p in shared.items()}
-                for i, w in enumerate(weights.values()):
-                    w.register_post_accumulate_grad_hook(collect.hook(i))
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
             hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j],
-                                                weights, valid[j])
+                                                _step_weights(shared, collect), valid[j])
+            outs.append(normed)
+        if chains is not None:
+            outs += self._ttt_chains(hidden, embeds_all, k_buf[:, :, :T], v_buf[:, :, :T], masks[0], chains, ttt_length, shared, collect)
+        return outs
+
+    def _ttt_chains(self, hidden, embeds_all, k0, v0, mask, chains, ttt_length, shared, collect):
+        """Steps 1..J-1 at the flat positions ``chains`` [N] only, from step 0's pre-norm output
+        ``hidden`` [B, T, H] and keys ``k0``, ``v0``; the chains' own keys live in [N, J-1, nKV, hd]
+        buffers. Compiled, N is a dynamic dimension: one graph serves every batch of the same [B, T].
+        -> the normed outputs of steps 1..J-1, each [B, T, H] (zero off the chains)."""
+        B, T, H = hidden.shape
+        attn, device, grad = self.midlayer.self_attn, hidden.device, torch.is_grad_enabled()
+        pos = chains % T
+        e_rows = chains // T * embeds_all.shape[1] + pos  # row of the token step 0 reads, in embeds_all [B·(T+J-1), H]
+        flat_embeds = embeds_all.reshape(-1, H)
+        h = _GatherRows.apply(hidden.reshape(B * T, H), chains)
+        kd = torch.zeros(len(chains), ttt_length - 1, attn.n_kv, attn.head_dim, device=device, dtype=k0.dtype, requires_grad=grad)
+        vd = torch.zeros_like(kd, requires_grad=grad)
+        steps = torch.arange(1, ttt_length, device=device)
+        step = self._compiled_chains_step() if self.compiled else self._chains_step
+        outs = []
+        for j in range(1, ttt_length):
+            cos, sin = self.rotary_emb(h, (pos + j).unsqueeze(0))
+            args = (flat_embeds, e_rows + j, h, cos, sin, k0, v0, kd, vd, steps[j - 1 : j] - 1, chains)
+            if self.compiled:
+                mark_chains_dynamic(args)
+            h, normed, kd, vd = step(*args, mask, _step_weights(shared, collect), steps <= j)
             outs.append(normed)
         return outs
+
+    def _chains_step(self, flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains, block_mask, weights=None,
+                     valid=None):
+        """One later TTT step at the chains only (``_ttt_chains``) -> (pre-norm output [N, H], normed
+        output scattered to [B, T, H], kd, vd)."""
+
+        def body(flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains):
+            embeds = flat_embeds.index_select(0, e_index).to(self.fc.weight.dtype)
+            out, normed, (kd, vd) = self._layer_and_norm(
+                weights, (embeds, hidden, cos, sin, (k0, v0, kd, vd), block_mask), {"slot": slot, "valid": valid, "chains": chains})
+            B, T = k0.shape[0], k0.shape[2]
+            return out, normed.new_zeros(B * T, normed.shape[-1]).index_copy(0, chains, normed).view(B, T, -1), kd, vd
+
+        args = (flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains)
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(body, *args, use_reentrant=False)
+        return body(*args)
+
+    def _compiled_chains_step(self):
+        # like _compiled_step, but the chains' count N is marked dynamic by the caller
+        if getattr(self, "_chains_compiled", None) is None:
+            self._chains_compiled = torch.compile(self._chains_step, dynamic=False, fullgraph=True)
+        return self._chains_compiled
+
+    def _layer_and_norm(self, weights, args, kwargs):
+        """The decoder layer and the final norm -> (pre-norm output, normed output, the layer's kv);
+        ``weights``: tensors to use in place of the parameters of the same names (``split_step_grads``)."""
+        if weights is None:
+            out, kv = self.midlayer(*args, **kwargs)
+            return out, self.norm(out), kv
+        mid = {n.removeprefix("midlayer."): w for n, w in weights.items() if n.startswith("midlayer.")}
+        out, kv = torch.func.functional_call(self.midlayer, mid, args, kwargs)
+        norm = {n.removeprefix("norm."): w for n, w in weights.items() if n.startswith("norm.")}
+        return out, torch.func.functional_call(self.norm, norm, (out,)), kv
 
     def step_params(self):
         """The trained parameters every TTT step uses (the decoder layer's and the final norm's), by
@@ -469,14 +571,9 @@ class Eagle3Draft(nn.Module):
 
         def body(embeds, hidden, cos, sin, k_buf, v_buf, slot):
             embeds = embeds.to(self.fc.weight.dtype)
-            args, kwargs = (embeds, hidden, cos, sin, (k_buf, v_buf), block_mask), {"slot": slot, "valid": valid}
-            if weights is None:
-                out, (k_buf, v_buf) = self.midlayer(*args, **kwargs)
-                return out, self.norm(out), k_buf, v_buf
-            mid = {n.removeprefix("midlayer."): w for n, w in weights.items() if n.startswith("midlayer.")}
-            out, (k_buf, v_buf) = torch.func.functional_call(self.midlayer, mid, args, kwargs)
-            norm = {n.removeprefix("norm."): w for n, w in weights.items() if n.startswith("norm.")}
-            return out, torch.func.functional_call(self.norm, norm, (out,)), k_buf, v_buf
+            out, normed, (k_buf, v_buf) = self._layer_and_norm(
+                weights, (embeds, hidden, cos, sin, (k_buf, v_buf), block_mask), {"slot": slot, "valid": valid})
+            return out, normed, k_buf, v_buf
 
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(body, embeds, hidden, cos, sin, k_buf, v_buf, slot, use_reentrant=False)
@@ -532,6 +629,25 @@ class Eagle3Draft(nn.Module):
         out = torch.stack(proposals, dim=1).cpu()
         out[T - 1 :] = -1  # no token t+1 to start from
         return out
+
+
+def mark_chains_dynamic(args):
+    """``Eagle3Draft._chains_step``'s arguments: the chains' count N, which varies by batch, made a
+    dynamic dimension of the compiled step (one graph per batch shape, not one per N)."""
+    _, e_index, hidden, cos, sin, _, _, kd, vd, _, chains = args
+    for t, dim in ((e_index, 0), (hidden, 0), (cos, 1), (sin, 1), (kd, 0), (vd, 0), (chains, 0)):
+        torch._dynamo.mark_dynamic(t, dim)
+
+
+def _step_weights(shared, collect):
+    """``split_step_grads``: one TTT step's aliases of the ``shared`` parameters (the same storage,
+    leaves of their own, so that step's gradients land apart, in ``collect``); None without."""
+    if not shared:
+        return None
+    weights = {n: p.detach().requires_grad_() for n, p in shared.items()}
+    for i, w in enumerate(weights.values()):
+        w.register_post_accumulate_grad_hook(collect.hook(i))
+    return weights
 
 
 class _StepGrads:
@@ -652,7 +768,24 @@ def ttt_loss_plan(rows, T, ttt_length, n_flat):
         p_index.append(sel)
         h_index.append(rows[sel] - 1 - j + j * n_flat)
         step.append(torch.full_like(sel, j))
-    return {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step)}
+    return {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step),
+            "chains": ttt_chains(rows, T, ttt_length, n_flat)}
+
+
+def ttt_chains(rows, T, ttt_length, n_flat, multiple=16):
+    """The flat base positions (b·T + t, sorted) at which the TTT steps after step 0 run under
+    ``skip_unscored``: those whose chain scores a token at some step j >= 1 (a loss row q = t+1+j
+    in ``rows`` with q % T >= 1+j, as ``ttt_loss_plan``). Padded with unscored positions to a
+    multiple of ``multiple`` (at least ``multiple``, at most n_flat): rounder matrix shapes."""
+    need = torch.zeros(n_flat, dtype=torch.bool, device=rows.device)
+    t = rows % T
+    for j in range(1, ttt_length):
+        need[rows[t >= 1 + j] - 1 - j] = True
+    n = int(need.sum())
+    extra = min(n_flat, max(multiple, -(-n // multiple) * multiple)) - n
+    if extra:
+        need[(~need).nonzero().squeeze(1)[:extra]] = True
+    return need.nonzero().squeeze(1)
 
 
 class _GatherRows(torch.autograd.Function):

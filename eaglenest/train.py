@@ -44,7 +44,7 @@ CHECKPOINT_FORMAT = "eaglenest.draft/1"
 DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
             "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
-AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split")  # the model's settings (set_runtime)
+AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (set_runtime)
 FLEX_ONLY = ("split_step_grads", "diag_split")  # AUTO_KEYS that only the flex path has
 
 
@@ -79,9 +79,11 @@ def resolve_runtime(cfg, device):
     for key in FLEX_ONLY:
         if out[key] == "auto":
             out[key] = cuda and out["attention"] == "flex"
+    if out["skip_unscored"] == "auto":
+        out["skip_unscored"] = bool(out["diag_split"])
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
-    for key in ("compile", "recompute", "fused_loss", "bf16_weights", *FLEX_ONLY):
+    for key in ("compile", "recompute", "fused_loss", "bf16_weights", *FLEX_ONLY, "skip_unscored"):
         if not isinstance(out[key], bool):
             raise ValueError(f"train.{key} must be auto, true or false, got {out[key]!r}")
     if out["compile"] and (not cuda or out["attention"] != "flex"):
@@ -92,6 +94,9 @@ def resolve_runtime(cfg, device):
     for key in FLEX_ONLY:
         if out[key] and out["attention"] != "flex":
             raise ValueError(f"train.{key}: true needs attention: flex (here {out['attention']!r}); set it to auto or false")
+    if out["skip_unscored"] and not out["diag_split"]:
+        raise ValueError("train.skip_unscored: true needs diag_split (the later TTT steps' keys attended on the diagonal); "
+                         "set diag_split to auto or true, or skip_unscored to auto or false")
     return out
 
 
@@ -99,7 +104,7 @@ def set_runtime(model, cfg, world=1):
     """The model's settings from a ``resolve_runtime`` config; ``split_step_grads`` only in a single
     process (DDP's reducer watches the parameters' own gradients)."""
     model.attention, model.compiled, model.recompute = cfg["attention"], cfg["compile"], cfg["recompute"]
-    model.fused_loss, model.diag_split = cfg["fused_loss"], cfg["diag_split"]
+    model.fused_loss, model.diag_split, model.skip_unscored = cfg["fused_loss"], cfg["diag_split"], cfg["skip_unscored"]
     model.split_step_grads = cfg["split_step_grads"] and world == 1
 
 
@@ -327,7 +332,7 @@ class BatchLoader:
         batch["embeds"] = torch.empty(*ids.shape, H, dtype=self.embed_table.dtype, pin_memory=self.on_gpu)
         torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
         batch["rows"] = loss_rows(batch["loss_mask"])
-        if self.cfg["fused_loss"]:
+        if self.cfg["fused_loss"] or self.cfg["skip_unscored"]:  # skip_unscored: the plan's chains
             batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T)
         if self.on_gpu:
             batch["rows"] = batch["rows"].pin_memory()
@@ -565,7 +570,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
-           f"{cfg['bf16_weights']}, step grads split {model.split_step_grads}, diagonal split {cfg['diag_split']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+           f"{cfg['bf16_weights']}, step grads split {model.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)

@@ -148,28 +148,31 @@ def test_chunked_loss_matches_one_chunk():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("attention,fused,recompute,split,diag", [
-    ("sdpa", True, False, False, False), ("sdpa", False, True, False, False), ("flex", True, True, False, False),
-    ("flex", False, False, False, False), ("flex", True, False, True, False), ("flex", True, True, True, False),
-    ("flex", True, False, False, True), ("flex", True, True, True, True), ("flex", False, False, True, True),
+@pytest.mark.parametrize("attention,fused,recompute,split,diag,skip", [
+    ("sdpa", True, False, False, False, False), ("sdpa", False, True, False, False, False), ("flex", True, True, False, False, False),
+    ("flex", False, False, False, False, False), ("flex", True, False, True, False, False), ("flex", True, True, True, False, False),
+    ("flex", True, False, False, True, False), ("flex", True, True, True, True, False), ("flex", False, False, True, True, False),
+    ("flex", True, False, True, True, True), ("flex", True, True, True, True, True), ("flex", False, False, False, True, True),
 ])
-def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, split, diag):
+def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, split, diag, skip):
     """The GPU path's pieces (fixed-shape key buffer, fused loss, recomputation) give the reference
     path's loss, stats and gradients. On CPU the flex layout runs with dense masks over its buffer
     (flex attention has no CPU backward); the flex kernel itself is checked on the GPU
     (benchmarks/gpu_check.py). ``split``: each step's weight gradients apart, summed after backward;
     a second backward (a second micro-batch) adds to them. ``diag``: the later steps' keys attended
-    on the diagonal, merged with step 0's causal part by log-sum-exp."""
+    on the diagonal, merged with step 0's causal part by log-sum-exp. ``skip``: the later steps run
+    only at the chains that score a token (row 0 has a 40-token prompt, row 1 is padding from 90 on)."""
     torch.manual_seed(0)
     model = make_model().train()
     B, T = 2, 128  # the flex layout needs T a multiple of 128
     ids, aux = inputs(B=B, T=T)
-    rows = torch.nonzero(torch.rand(B * T) > 0.3).squeeze(1)
+    scored = (torch.rand(B, T) > 0.3) & torch.cat([torch.arange(T) >= 40, torch.arange(T) < 90]).view(B, T)
+    rows = torch.nonzero(scored.flatten()).squeeze(1)
     targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD), -1),
                "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.rand(len(rows)) > 0.2}
     results = []
-    for variant in (("sdpa", False, False, False, False), (attention, fused, recompute, split, diag)):
-        model.attention, model.fused_loss, model.recompute, model.split_step_grads, model.diag_split = variant
+    for variant in (("sdpa", False, False, False, False, False), (attention, fused, recompute, split, diag, skip)):
+        model.attention, model.fused_loss, model.recompute, model.split_step_grads, model.diag_split, model.skip_unscored = variant
         model.zero_grad(set_to_none=True)
         for _ in range(2):
             loss, stats = model(ids, aux, targets, ttt_length=J, chunk=50)  # several loss chunks
@@ -207,6 +210,70 @@ def test_step_with_weight_aliases_compiles_whole(diag):
     assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 5
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n])
+
+
+def test_ttt_chains_are_the_positions_whose_chain_scores():
+    """Brute force: base t of row b runs steps >= 1 iff some step j >= 1 scores token t+1+j of the
+    same row; padded with unscored positions to a multiple of 16, sorted, distinct."""
+    from eaglenest.model import ttt_chains
+
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 128
+    for density, J in ((0.05, 7), (0.5, 3), (0.0, 4), (1.0, 7)):
+        scored = torch.rand(B, T, generator=g) < density
+        scored[1, :60] = False  # a prompt
+        rows = torch.nonzero(scored.flatten()).squeeze(1)
+        chains = ttt_chains(rows, T, J, B * T)
+        need = {b * T + t for b in range(B) for t in range(T) for j in range(1, J) if t + 1 + j < T and scored[b, t + 1 + j]}
+        assert need <= set(chains.tolist()) and len(chains) == len(set(chains.tolist()))
+        assert torch.equal(chains, chains.sort().values)
+        assert len(chains) == max(16, -(-len(need) // 16) * 16)
+
+
+def test_chains_step_compiles_once_for_any_chain_count():
+    """The later steps' compiled graph (fullgraph, static shapes but the chains' count) serves
+    batches of every chain count: dynamo and AOT autograd on CPU, against the eager step."""
+    from eaglenest.model import mark_chains_dynamic, ttt_mask
+
+    model = make_model().train()
+    attn = model.midlayer.self_attn
+    B, T, Jn = 2, 16, 4
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(model._chains_step, backend=backend, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = (torch.randn(B, attn.n_kv, T, attn.head_dim, generator=g, requires_grad=True) for _ in range(2))
+    flat_embeds = torch.randn(B * (T + Jn - 1), H, generator=g)
+    for n in (7, 12, 20, 9):
+        chains = torch.randperm(B * T, generator=g)[:n].sort().values
+        pos = chains % T
+        h = torch.randn(n, H, generator=g, requires_grad=True)
+        cos, sin = model.rotary_emb(h, (pos + 2).unsqueeze(0))
+        kd = torch.randn(n, Jn - 1, attn.n_kv, attn.head_dim, generator=g, requires_grad=True)
+        vd = torch.randn(n, Jn - 1, attn.n_kv, attn.head_dim, generator=g, requires_grad=True)
+        args = (flat_embeds, chains // T * (T + Jn - 1) + pos + 2, h, cos, sin, k0, v0, kd, vd, torch.tensor([1]), chains)
+        mark_chains_dynamic(args)
+        results = []
+        for fn in (model._chains_step, compiled):
+            weights = {name: p.detach().requires_grad_() for name, p in model.step_params().items()}
+            out, full, kd2, _ = fn(*args, ttt_mask(T, 0), weights, torch.arange(1, Jn) <= 2)
+            (out.sum() + full.pow(2).sum() + kd2.sum()).backward()
+            results.append((out.detach(), full.detach(), {name: w.grad for name, w in weights.items()}, h.grad))
+            h.grad = None
+        (o0, f0, g0, h0), (o1, f1, g1, h1) = results
+        torch.testing.assert_close(o1, o0)
+        torch.testing.assert_close(f1, f0)
+        torch.testing.assert_close(h1, h0)
+        off = torch.ones(B * T, dtype=torch.bool)
+        off[chains] = False
+        assert f0.view(B * T, H)[chains].abs().min() > 0 and not f0.view(B * T, H)[off].any()  # zero off the chains
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name])
+    assert len(graphs) == 1
 
 
 def test_flex_block_masks_share_shapes_and_mask_mod():

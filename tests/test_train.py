@@ -257,6 +257,10 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     for key in ("split_step_grads", "diag_split"):
         with pytest.raises(ValueError, match=f"train.{key}: true needs attention: flex"):
             train.resolve_runtime({**cfg, key: True}, "cpu")
+    assert (cpu["skip_unscored"], cuda["skip_unscored"]) == (False, True)
+    assert train.resolve_runtime({**cfg, "diag_split": False}, "cuda")["skip_unscored"] is False
+    with pytest.raises(ValueError, match="train.skip_unscored: true needs diag_split"):
+        train.resolve_runtime({**cfg, "diag_split": False, "skip_unscored": True}, "cuda")
     model = type("M", (), {})()
     train.set_runtime(model, cuda, world=2)  # DDP watches the parameters' own gradients
     assert model.split_step_grads is False and model.diag_split is True
