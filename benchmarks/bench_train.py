@@ -115,6 +115,8 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4096, help="rows of draft logits alive at once in the loss")
+    p.add_argument("--prompt", type=int, default=0, help="leading tokens of the sequence without loss (a prompt; "
+                   "bench_train_e2e's data has seq/8)")
     choice = lambda x: x if x == "auto" else {"true": True, "false": False}[x]
     for key in ("compile", "recompute", "fused-loss", "split-step-grads", "diag-split", "skip-unscored"):
         p.add_argument(f"--{key}", type=choice, default="auto", help="auto (train's default on this device), true, false")
@@ -179,6 +181,7 @@ def main():
         del embed
         for ttt, aux, last, ids, nxt, embeds in inputs:
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
+            mask[:, : a.prompt] = False
             rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
             extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T).items()}} if run["fused_loss"] else {}
             rows_dev = rows_host.to(dev)
@@ -205,7 +208,7 @@ def main():
                 warm = time.perf_counter() - t0
                 s = timed(step, a.iters, dev)
                 f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
-                r = dict(impl=label, size=size, seq=T, ttt=ttt, flex_options=eaglenest.model.FLEX_KERNEL_OPTIONS,
+                r = dict(impl=label, size=size, seq=T, prompt=a.prompt, ttt=ttt, flex_options=eaglenest.model.FLEX_KERNEL_OPTIONS,
                          step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                          # between steps: weights, optimizer state, inputs; the rest of the peak is the step's
