@@ -340,3 +340,32 @@ def test_compiled_batches_come_in_one_shape_per_padded_length():
     for batch in train.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
         B, T = train.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
         assert len(batch) <= B and B * T <= 8192
+
+
+def test_skip_unscored_trains_the_same_draft(data, tmp_path, monkeypatch):
+    """train_draft on the flex path (the CUDA default's layout, uncompiled on CPU) with the later TTT
+    steps at the scored chains only, and at every position: the same losses and accuracies step by
+    step (the toy's traces have prompts, and batches of several sequences have padding)."""
+    import eaglenest.model
+
+    config = {**CONFIG, "attention": "flex", "fused_loss": True, "split_step_grads": True, "diag_split": True}
+    sizes, chains = [], eaglenest.model.ttt_chains
+
+    def counted(rows, T, J, n_flat):  # how many positions the later steps run at, of how many
+        out = chains(rows, T, J, n_flat)
+        sizes.append((len(out), n_flat))
+        return out
+
+    monkeypatch.setattr(eaglenest.model, "ttt_chains", counted)
+    rows = {}
+    for skip in (True, False):
+        out = tmp_path / str(skip)
+        train_draft(data["hidden_paths"], data["vocab_path"], out / "c.safetensors", out / "m.csv", head_path=data["head_path"],
+                    config={**config, "skip_unscored": skip}, state_dir=out / "state", device="cpu", progress=False)
+        rows[skip] = list(csv.DictReader(open(out / "m.csv")))
+    assert sum(n for n, _ in sizes) < 0.9 * sum(n_flat for _, n_flat in sizes)  # positions were skipped
+    assert len(rows[True]) == len(rows[False]) == 6
+    for a, b in zip(rows[True], rows[False]):
+        for key in ("acc_0", "acc_2"):
+            assert float(a[key]) == float(b[key])
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5)
