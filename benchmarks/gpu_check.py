@@ -4,7 +4,9 @@ The path `train_draft` picks on CUDA (flex attention over a fixed-shape key buff
 compiled, each step recomputed in backward, the fused lm_head + loss) against the reference path
 (dense mask, eager, chunked loss) on a small draft: loss, per-step stats and every gradient, under
 bf16 autocast as training runs, against the reference under the same autocast and in fp32, at TTT 7
-and 10, with the number of graphs dynamo compiled (one per TTT length, not one per TTT step). On CPU only the uncompiled variants run.
+and 10, with the number of graphs dynamo compiled (one per TTT length, not one per TTT step), the
+later steps run at the scored chains only (``skip_unscored``; a second batch with another number of
+chains must compile nothing new). On CPU only the uncompiled variants run.
 Then the target distribution from the shard's greedy tokens (only the draft rows of the head) against
 the full-vocabulary one, in bf16 at Kimi-K2.5's head size on CUDA (tiny on CPU), with both timed.
 
