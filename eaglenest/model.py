@@ -235,8 +235,8 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             hidden = self.hidden_norm(hidden)
-        q, k, v = self.self_attn.qkv(torch.cat([embeds, hidden], dim=-1).unsqueeze(0) if chains is not None else
-                                     torch.cat([embeds, hidden], dim=-1), cos, sin)
+        x = torch.cat([embeds, hidden], dim=-1)
+        q, k, v = self.self_attn.qkv(x if chains is None else x.unsqueeze(0), cos, sin)  # chains: a batch of one
         if chains is not None:
             k0, v0, kd, vd = past_kv
             kd = kd.index_copy(1, slot, k[0].transpose(0, 1).unsqueeze(1).to(kd.dtype))
