@@ -183,7 +183,7 @@ def main():
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
             mask[:, : a.prompt] = False
             rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
-            extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T).items()}} if run["fused_loss"] or run["skip_unscored"] else {}
+            extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T, chains=run["skip_unscored"]).items()}} if run["fused_loss"] or run["skip_unscored"] else {}
             rows_dev = rows_host.to(dev)
 
             def step(nxt=nxt if a.target_argmax == "shard" else None):

@@ -754,13 +754,14 @@ def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
     return loss, torch.stack(stats)
 
 
-def ttt_loss_plan(rows, T, ttt_length, n_flat):
+def ttt_loss_plan(rows, T, ttt_length, n_flat, chains=False):
     """Which (step, base position) rows ``ttt_loss_fused`` scores, from ``targets["rows"]`` (any
     device; train.py makes it on the host, in the loader thread, so the step never waits on it).
 
     Step j scores base t = q-1-j for each loss position q with q % T >= 1+j. Returns int64 tensors
     over those N rows: ``h_index`` into the steps' outputs stacked [J·n_flat] (n_flat = B·T),
-    ``p_index`` into the targets' rows, ``step`` the step j."""
+    ``p_index`` into the targets' rows, ``step`` the step j; with ``chains`` (``skip_unscored``)
+    also ``chains``, the positions the later steps run at (``ttt_chains``)."""
     t = rows % T
     h_index, p_index, step = [], [], []
     for j in range(ttt_length):
@@ -768,8 +769,10 @@ def ttt_loss_plan(rows, T, ttt_length, n_flat):
         p_index.append(sel)
         h_index.append(rows[sel] - 1 - j + j * n_flat)
         step.append(torch.full_like(sel, j))
-    return {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step),
-            "chains": ttt_chains(rows, T, ttt_length, n_flat)}
+    plan = {"h_index": torch.cat(h_index), "p_index": torch.cat(p_index), "step": torch.cat(step)}
+    if chains:
+        plan["chains"] = ttt_chains(rows, T, ttt_length, n_flat)
+    return plan
 
 
 def ttt_chains(rows, T, ttt_length, n_flat, multiple=16):

@@ -333,7 +333,7 @@ class BatchLoader:
         torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
         batch["rows"] = loss_rows(batch["loss_mask"])
         if self.cfg["fused_loss"] or self.cfg["skip_unscored"]:  # skip_unscored: the plan's chains
-            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T)
+            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T, chains=self.cfg["skip_unscored"])
         if self.on_gpu:
             batch["rows"] = batch["rows"].pin_memory()
             if "plan" in batch:
