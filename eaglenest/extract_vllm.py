@@ -88,6 +88,8 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     return dataclasses.replace(
         cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
         gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
+        # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
+        kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,
         extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
 
 

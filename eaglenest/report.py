@@ -85,6 +85,8 @@ def cross_checks(target, prompts, runs, generation, offline) -> dict:
     base = runs["baseline"]["answers"]
     checks = {
         "served_dtype": runs["baseline"].get("served_dtype"),
+        # Speeds compare like with like only when every run executed the same way (eager or compiled).
+        "execution": {name: r.get("execution") for name, r in runs.items()},
         "offline_dtype": offline.get("dtype"),
         "offline_target_agreement": offline.get("target_agreement"),
         "eagle3_outputs_equal_baseline": _identical(runs["eagle3"]["answers"], base),
@@ -172,6 +174,11 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
     if checks.get("served_dtype") and checks.get("offline_dtype") and checks["served_dtype"] != checks["offline_dtype"]:
         out.append({"kind": "dtype", "message": f"vLLM served the target in {checks['served_dtype']}, the offline "
                     f"evaluation ran it in {checks['offline_dtype']}."})
+    modes = {m for m in (checks.get("execution") or {}).values() if m}
+    if len(modes) > 1:
+        shown = ", ".join(f"{name} {m}" for name, m in checks["execution"].items())
+        out.append({"kind": "execution", "message": f"The vLLM runs did not execute the same way ({shown}): their "
+                    "speeds are not comparable; give every run the same server.extra_args (--enforce-eager or none)."})
     if vllm_al is not None and n.get("acceptance_length") is not None and vllm_al <= n["acceptance_length"]:
         out.append({"kind": "ngram", "message": f"The EAGLE-3 draft ({vllm_al:.3f}) does not beat n-gram "
                     f"speculation ({n['acceptance_length']:.3f}) on acceptance length."})
@@ -508,6 +515,13 @@ def _plots(report, train_curves):
     return plots
 
 
+def _execution_note(*runs) -> str:
+    """"; every server eager" (or compiled) where all runs executed the same way, else nothing (a
+    finding says they differ)."""
+    modes = {r.get("execution") for r in runs}
+    return f"; every server {modes.pop()}" if len(modes) == 1 and None not in modes else ""
+
+
 def render_html(report: dict, train_curves: dict | None = None) -> str:
     """The whole report page. ``train_curves``: columns of train_metrics.csv (see read_train_metrics)."""
     e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
@@ -530,7 +544,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                 f"(offline prediction {_num(o.get('acceptance_length'), 2)}, n-gram {_num(n.get('acceptance_length'), 2)}); "
                 f"speed-up over the target alone with one request at a time <b>{_num(report.get('speedup'), 2)}×</b> "
                 f"(n-gram {_num(report.get('ngram_speedup'), 2)}×; {_num(report.get('speedup_concurrent'), 2)}× with "
-                f"{_esc(concurrency)} requests in flight).")
+                f"{_esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
     if any(w["kind"] == "disagreement" for w in warnings):
         parts.append(f'<div class="verdict bad"><b>vLLM and the offline prediction disagree.</b> {headline}</div>')
     else:

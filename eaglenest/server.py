@@ -70,6 +70,7 @@ class ServerConfig:
     max_model_len: int | None = schema_field("server", "max_model_len")
     reasoning_parser: str | None = schema_field("server", "reasoning_parser")
     gpu_memory_utilization: float | None = schema_field("server", "gpu_memory_utilization")
+    kv_cache_gb: float | None = schema_field("server", "kv_cache_gb")
     dtype: str | None = schema_field("server", "dtype")
     extra_args: list[str] = schema_field("server", "extra_args")
     env: dict[str, str] = schema_field("server", "env")
@@ -479,6 +480,9 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=say) -> d
     while pending:
         if record and not alive(record["pid"]):
             paths.pidfile.unlink(missing_ok=True)
+            refusal = vllm_format.memory_refusal(vllm_format.last_start(paths.log))
+            if refusal:
+                raise ServerError(f"{refusal} (vLLM's log: {paths.log})")
             raise ServerError(f"vLLM (pid {record['pid']}) exited before it was ready. "
                               f"Last lines of {paths.log}:\n{log_tail(paths.log)}")
         for url in list(pending):
@@ -510,8 +514,25 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | None = None, log=say) -> d
              "seconds_to_ready": round(time.time() - start, 1), "ready_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if record:
         ready["pid"] = record["pid"]
-    log(f"server ready: {', '.join(urls)} serves '{model}' after {ready['seconds_to_ready']} s")
+        ready.update(vllm_format.kv_cache_facts(paths.log))
+    log(f"server ready: {', '.join(urls)} serves '{model}' after {ready['seconds_to_ready']} s"
+        + (f"; its KV cache holds {ready['max_concurrency']:g} sequences of {ready['concurrency_tokens']} tokens"
+           if "max_concurrency" in ready else ""))
     return ready
+
+
+def kv_shortfall(ready: dict, concurrency: int) -> str | None:
+    """A warning when the server's KV cache (as its log reported, ``kv_cache_facts``) holds fewer than
+    ``concurrency`` sequences of max_model_len tokens: vLLM then runs fewer requests at a time than the
+    config sends. None when it holds enough, or the log did not say."""
+    held = ready.get("max_concurrency")
+    if held is None or held >= concurrency:
+        return None
+    need = (f" (about {ready['kv_cache_gib'] * concurrency / held:.2f} GiB)"
+            if ready.get("kv_cache_gib") else "")
+    return (f"the server's KV cache holds {held:g} sequences of {ready['concurrency_tokens']} tokens, fewer than "
+            f"generation.concurrency={concurrency}: vLLM queues the rest. Raise server.kv_cache_gb{need}, or on a "
+            f"GPU server.gpu_memory_utilization, or lower generation.concurrency")
 
 
 def write_sentinel(path: str | Path, ready: dict) -> None:

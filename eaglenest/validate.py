@@ -35,7 +35,8 @@ from .export import write_validation
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
 from .traces import GENERATION_DEFAULTS, answer_prompts
-from .vllm_format import SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, launch, served_dtype, spec_counters, speculative_config
+from .vllm_format import (SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, kv_cache_facts, launch, served_dtype,
+                          spec_counters, speculative_config)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
@@ -196,8 +197,11 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
             stop_local(paths, log=log)
             if record:
                 _reap(record["pid"])
+    facts = kv_cache_facts(paths.log)
     result.update({"seconds_to_ready": ready["seconds_to_ready"], "vllm_version": ready.get("version"),
                    "served_dtype": served_dtype(paths.log), "seconds": round(time.monotonic() - t0, 1),
+                   "execution": {True: "eager", False: "compiled"}.get(facts.get("eager")),
+                   "kv_cache_gib": facts.get("kv_cache_gib"), "max_concurrency": facts.get("max_concurrency"),
                    "speculative_config": spec})
     k = (spec or {}).get("num_speculative_tokens") or k
     if k:

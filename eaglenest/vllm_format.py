@@ -339,8 +339,12 @@ def vllm_command(cfg) -> list[str]:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.reasoning_parser:
         cmd += ["--reasoning-parser", cfg.reasoning_parser]
-    # On CPU, vLLM applies it to the memory of the NUMA node (it refuses to start above what is free).
-    if cfg.gpu_memory_utilization is not None:
+    # A KV cache of a fixed size, where given: on CPU a fraction (gpu_memory_utilization) applies to the
+    # NUMA node's memory as vLLM reads it at start, a figure that moves, and the server's own use comes
+    # out of it; vLLM ignores the fraction when the size is given.
+    if cfg.kv_cache_gb:
+        cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gb * 2**30))]
+    elif cfg.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.dtype:
         cmd += ["--dtype", cfg.dtype]
@@ -401,16 +405,73 @@ def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) ->
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
-def served_dtype(log_path) -> str | None:
-    """The dtype vLLM reports in its engine config line, from the last start in its log (each start
-    begins with a ``=== `` line, written by server.start_local)."""
+def last_start(log_path) -> str:
+    """The text of the last start in a server log (each start begins with a ``=== `` line, written by
+    server.start_local); empty when there is no log."""
     try:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
-        return None
-    text = text.rsplit("=== ", 1)[-1]
-    m = re.search(r"\bdtype=(?:torch\.)?(\w+)", text)
+        return ""
+    return text.rsplit("\n=== ", 1)[-1]
+
+
+def served_dtype(log_path) -> str | None:
+    """The dtype vLLM reports in its engine config line, from the last start in its log."""
+    m = re.search(r"\bdtype=(?:torch\.)?(\w+)", last_start(log_path))
     return m.group(1) if m else None
+
+
+# What vLLM 0.32 logs about its KV cache: the CPU worker's size (cpu_worker.py, "Explicitly set" with
+# --kv-cache-memory-bytes, "Auto set" from --gpu-memory-utilization) and, on every backend, the tokens it
+# holds (v1/core/kv_cache_utils.py: "<device> KV cache size: N tokens" then "Maximum concurrency for L
+# tokens per request: Mx").
+_KV_SET = re.compile(r"(Explicitly|Auto) set \(([\d.]+)/([\d.]+)\) GiB for KV cache")
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# vLLM's refusals to reserve memory on CPU (cpu_worker.py): at start against --gpu-memory-utilization,
+# and at KV allocation, either for an explicit size (one figure) or an automatic one (kv/requested).
+_MEM_START = re.compile(r"Available memory on node \S+ \(([-\d.]+)/([-\d.]+) GiB\) on startup is less than desired "
+                        r"CPU memory utilization \(([\d.]+), ([-\d.]+) GiB\)")
+_MEM_KV = re.compile(r"Available memory on node \S+ \(([-\d.]+)/([-\d.]+) GiB\) on kv cache allocation is less than "
+                     r"requested memory for kv \(([-\d.]+)(?:/([-\d.]+))? GiB\)")
+
+
+def kv_cache_facts(log_path) -> dict:
+    """What the last start of a vLLM server log says about its KV cache and execution mode:
+    ``kv_cache_gib`` and ``kv_cache_sized`` ("explicit" or "auto", CPU only), ``kv_cache_tokens``,
+    ``max_concurrency`` (sequences of ``concurrency_tokens`` tokens it holds at once) and ``eager``
+    (None where the log does not say)."""
+    text = last_start(log_path)
+    facts = {}
+    if m := _KV_SET.search(text):
+        facts.update(kv_cache_sized={"Explicitly": "explicit", "Auto": "auto"}[m.group(1)], kv_cache_gib=float(m.group(2)))
+    if m := _KV_TOKENS.search(text):
+        facts["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    if m := _KV_CONCURRENCY.search(text):
+        facts.update(concurrency_tokens=int(m.group(1).replace(",", "")), max_concurrency=float(m.group(2)))
+    m = re.search(r"\benforce_eager=(True|False)", text)
+    facts["eager"] = None if m is None else m.group(1) == "True"
+    return facts
+
+
+def memory_refusal(log_text: str) -> str | None:
+    """One line that says why vLLM refused to start for lack of memory, with the figures it printed
+    and the config key to change; None when the log shows no such refusal."""
+    if m := _MEM_START.search(log_text):
+        available, total, fraction, asked = m.groups()
+        return (f"vLLM could not reserve server.gpu_memory_utilization={fraction} of node memory ({asked} GiB): "
+                f"{available} of {total} GiB are available. On CPU, set server.kv_cache_gb to the KV cache the run "
+                f"needs (a size in GiB, not a fraction of a figure that moves), or lower server.gpu_memory_utilization")
+    if m := _MEM_KV.search(log_text):
+        available, total, kv, requested = m.groups()
+        if requested is None:
+            return (f"vLLM could not allocate its KV cache: server.kv_cache_gb asks {kv} GiB, only {available} of "
+                    f"{total} GiB are available after the server's own use: lower server.kv_cache_gb, or free memory")
+        besides = float(requested) - float(kv)
+        return (f"vLLM could not allocate its KV cache: server.gpu_memory_utilization reserves {requested} GiB, the "
+                f"server used {besides:.2f} GiB besides, leaving {kv} GiB of KV cache ({available} of {total} GiB "
+                f"available): set server.kv_cache_gb (a size in GiB) instead, or raise server.gpu_memory_utilization")
+    return None
 
 
 # A chat answer's reasoning: "reasoning" since vLLM 0.10, "reasoning_content" before (and in SGLang).

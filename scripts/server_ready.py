@@ -5,9 +5,12 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.server import ServerConfig, start_server, write_sentinel
+from eaglenest.server import ServerConfig, kv_shortfall, start_server, write_sentinel
+from eaglenest.util import say
 
 cfg = ServerConfig.from_dict(snakemake.params.server)
 ready = start_server(cfg, snakemake.params.log_dir, sentinel=snakemake.output[0],
                      workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
+if warning := kv_shortfall(ready, snakemake.params.concurrency):
+    say(f"WARNING: {warning}")
 write_sentinel(snakemake.output[0], ready)

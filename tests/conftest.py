@@ -18,8 +18,8 @@ TOY_PROMPTS = ROOT / "toy" / "prompts.jsonl"
 # Every test's vLLM runs eagerly. vLLM 0.32 on CPU compiles the model at each start (its AOT compile
 # cache never loads there: "'function' object has no attribute 'finalize_loading'"), about 50 s a start
 # on this machine; --enforce-eager skips that (the toy's start went from 77 s to 26 s, measured while the
-# suite ran) and decodes about 2x slower, which tests that generate little do not feel. The default-
-# workflow test alone (default_config below) keeps the shipped config, compiled, as users run it.
+# suite ran). The shipped config.yaml runs the toy eagerly too (server.extra_args), so the default-
+# workflow test (default_config below) runs it as users do.
 TEST_SERVER_ARGS = ["--enforce-eager"]
 
 
@@ -31,7 +31,7 @@ BASE_CONFIG = {
     "dataset": {"path": str(TOY_PROMPTS), "limit": 48, "heldout": 8},
     "shards": 2,
     "server": {"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy", "max_model_len": 512,
-               "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
+               "reasoning_parser": "deepseek_r1", "kv_cache_gb": 1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
                "extra_args": TEST_SERVER_ARGS},
     "draft": {"aux_layers": [1, 2, 3]},
     "generation": {"max_tokens": 256, "concurrency": 16, "request_timeout": 300, "max_retries": 3},

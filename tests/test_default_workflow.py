@@ -36,6 +36,16 @@ def test_default_workflow_report_meets_the_promise(default_run):
     assert eagle == pytest.approx(offline, rel=0.10), summary
     assert report["checks"].get("export_vs_training") == [], report["checks"]
     assert (wd / "reports/validation.html").read_text().count("<svg") >= 1
+    # vLLM's own log: the generation server's KV cache (server.kv_cache_gb) holds generation.concurrency
+    # sequences of max_model_len tokens, and every validation server ran the same way as the others.
+    from eaglenest.vllm_format import kv_cache_facts
+
+    facts = kv_cache_facts(wd / "logs/server/vllm.log")
+    assert facts["kv_cache_sized"] == "explicit", facts
+    assert facts["kv_cache_gib"] == pytest.approx(cfg["server"]["kv_cache_gb"], abs=0.01), facts
+    assert facts["concurrency_tokens"] == cfg["server"]["max_model_len"], facts
+    assert facts["max_concurrency"] >= cfg["generation"]["concurrency"], facts
+    assert {report[key]["execution"] for key in ("baseline", "eagle3", "ngram")} == {"eager"}, report["checks"]
     # Every server the workflow started (generation, validation) is gone: no process, a free port.
     server_gone(cfg["server"]["port"])
     assert not (wd / "server.ready").exists()

@@ -24,7 +24,7 @@ LONG = "What is 123 + 456? " * 40
 def _start(log_dir: Path) -> tuple[ServerConfig, dict]:
     cfg = ServerConfig.from_dict({"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy",
                                   "port": free_port(), "max_model_len": MAX_MODEL_LEN,
-                                  "reasoning_parser": "deepseek_r1", "gpu_memory_utilization": 0.1,
+                                  "reasoning_parser": "deepseek_r1", "kv_cache_gb": 1,
                                   "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
                                   "extra_args": TEST_SERVER_ARGS})
     paths = LocalPaths(log_dir)
