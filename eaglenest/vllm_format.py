@@ -3,8 +3,8 @@
 Where the supported releases differ, the difference is a version test here (``vllm_version``,
 ``version_at_least``): a local verifier in ``vllm serve <speculators dir>`` (refused from 0.33),
 chunked prefill in the extraction server (off before 0.34), and, on every release, aux id 0 on
-DeepSeek-V2/V3-style targets (``check_aux_layers``). File paths below are in vLLM's source tree and
-exist in 0.32, 0.33 and 0.34.
+DeepSeek-V2/V3-style targets (``check_aux_layers``). File paths below are in vLLM's source tree
+(``vllm/``) and exist in 0.32, 0.33 and 0.34 unless a release is named.
 
 Written by export and read back by validation from the same code, so the two cannot drift:
 
@@ -16,7 +16,7 @@ Written by export and read back by validation from the same code, so the two can
   vLLM sorts and de-duplicates the ids (``interfaces.py``: ``tuple(sorted(set(layers)))``) and
   concatenates the states in that order before the draft's ``fc``; ids here are therefore always
   sorted and distinct, and that order is the order of the ``fc`` input blocks;
-- the EAGLE-3 draft checkpoint (``model_executor/models/llama_eagle3.py`` and the v1 model runner):
+- the EAGLE-3 draft checkpoint (``model_executor/models/llama_eagle3.py`` and the model runner):
   ``config.json`` keys with vLLM's values where a key is absent, tensor names and shapes, and the
   ``d2t`` convention (``target_id = draft_id + d2t[draft_id]``);
 - serving: the server command line, ``--speculative-config``, the served dtype in the server log,
@@ -28,7 +28,9 @@ What ``config.json`` carries and why:
 - ``architectures: ["LlamaForCausalLMEagle3"]`` selects ``Eagle3LlamaForCausalLM`` (registry.py);
   ``model_type: llama`` makes transformers parse the rest as a ``LlamaConfig``.
 - ``eagle_aux_hidden_state_layer_ids`` (top level) tells the target which states to capture
-  (``gpu_model_runner.py``, ``_get_eagle3_aux_layers_from_config``); without it vLLM uses its
+  (0.32/0.33: ``v1/worker/gpu_model_runner.py``, ``_get_eagle3_aux_layers_from_config``; 0.34, which
+  removed that runner: ``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``,
+  ``get_eagle3_aux_layers_from_config``); without it vLLM uses its
   default (2, N//2, N-3), which for shallow targets collides.
 - ``draft_vocab_size`` sizes ``lm_head``; when it differs from ``vocab_size`` vLLM builds
   ``draft_id_to_target_id`` and loads ``d2t`` into it; when they are equal it builds no such
