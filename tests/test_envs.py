@@ -1,7 +1,8 @@
-"""The conda environments, pyproject.toml and the CPU lock pin the same versions."""
+"""The conda environments, pyproject.toml and the two locks pin the same versions."""
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 import yaml
 
@@ -11,9 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def _pins(lines):
     pins = {}
     for line in lines:
-        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)==([^\s;#]+)\s*", line)
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)==([^\s;#\\]+)\s*\\?\s*", line)
         if m:
-            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
     return pins
 
 
@@ -37,8 +38,23 @@ def test_conda_envs_match_pyproject():
         assert _pins(pip) == expected, env_file.name
 
 
-def test_lock_agrees_with_pyproject():
+def _lock(name):
+    return _pins((ROOT / "requirements" / f"{name}.lock").read_text().splitlines())
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_lock_agrees_with_pyproject(device):
     core, extras = _project_pins()
-    lock = _pins((ROOT / "requirements" / "cpu.lock").read_text().splitlines())
-    for name, version in {**core, **extras["cpu"], **extras["slurm"], **extras["test"]}.items():
+    lock = _lock(device)
+    for name, version in {**core, **extras[device], **extras["slurm"], **extras["test"]}.items():
         assert lock.get(name, "").split("+")[0] == version, name
+
+
+def test_locks_agree_where_they_share_a_package():
+    """A package in both locks has one version, but the few that differ by device (the Makefile's
+    DEVICE_PINS, which `make lock-gpu` leaves free)."""
+    device_pins = set(re.search(r"^DEVICE_PINS = (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split("|"))
+    cpu, gpu = _lock("cpu"), _lock("gpu")
+    differ = {name: (cpu[name], gpu[name]) for name in set(cpu) & set(gpu) - device_pins if cpu[name] != gpu[name]}
+    assert not differ, differ
+    assert device_pins <= set(cpu) & set(gpu), device_pins - (set(cpu) & set(gpu))

@@ -137,8 +137,13 @@ def test_a_speculators_draft_is_served_as_the_model_where_its_verifier_resolves(
     config = json.loads((local / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = str(TOY_TARGET)
     (local / "config.json").write_text(json.dumps(config))
-    assert launch("speculators", local, 4, "x") == (str(local.resolve()), None, f"vllm serve <draft dir> (verifier {TOY_TARGET})")
-    assert launch("speculators", local, 3, "x")[1] == {"num_speculative_tokens": 3}  # k differs from the file's
+    # a local verifier: served as the model where vLLM takes one (0.32), else through the target
+    assert launch("speculators", local, 4, "x", "0.32.0") == (str(local.resolve()), None,
+                                                             f"vllm serve <draft dir> (verifier {TOY_TARGET})")
+    assert launch("speculators", local, 3, "x", "0.32.0")[1] == {"num_speculative_tokens": 3}  # k differs from the file's
+    for version in ("0.33.0", "0.34.0", None):
+        model, spec, how = launch("speculators", local, 4, "x", version)
+        assert model == "x" and spec["model"] == str(local.resolve()) and "export.verifier" in how, version
 
 
 def test_speculators_config_names_the_verifier_as_given():
