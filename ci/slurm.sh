@@ -52,11 +52,17 @@ fail() {
     exit 1
 }
 
-pid_of() { # pid_of PIDFILE NAME: the pid in PIDFILE if that process is alive and named NAME
+alive() { # alive PID: the process runs (a zombie does not: a daemon's parent is init, which may reap it late)
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ ${stat##*) } != Z* ]]
+}
+
+pid_of() { # pid_of PIDFILE NAME: the pid in PIDFILE if that process runs and is named NAME
     local pid
     [[ -s $1 ]] || return 1
     pid=$(<"$1")
-    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]] && echo "$pid"
+    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]] && alive "$pid" && echo "$pid"
 }
 
 # The cluster's three daemons: name and pidfile.
@@ -77,7 +83,7 @@ stop_daemon() { # stop_daemon NAME: TERM, then KILL after 10 s
         pid=$(pid_of "${d#*:}" "$1") || return 0
         say "stopping $1 ($pid)"
         kill "$pid" 2>/dev/null || true
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+        for _ in $(seq 100); do alive "$pid" || return 0; sleep 0.1; done
         kill -KILL "$pid" 2>/dev/null || true
     done
 }
