@@ -41,11 +41,10 @@ endif
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
-# Lint first (seconds), then the tests. The SLURM tests run against a real one-node cluster on this
-# machine (needs root, as CI has).
+# Lint first (seconds), then the tests. The SLURM tests start their own one-node cluster (ci/slurm.sh:
+# private config, ports and munge; no system SLURM touched); it needs root, as CI has, else they skip.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	bash ci/slurm_up.sh
 	$(PY) -m pytest -ra --durations=30 --timeout=1800 tests
 
 # Regenerate a lock after a change to pyproject.toml's pins: `make lock-cpu`, `make lock-gpu` (uv from

@@ -88,7 +88,7 @@ def _slurm(args: list[str], *, input: str | None = None, env: dict | None = None
            check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
     if shutil.which(args[0]) is None:
         raise ServerError(f"server.mode is 'slurm' but `{args[0]}` is not on PATH: run the workflow where the SLURM "
-                          f"client tools are installed (for a one-node test cluster: ci/slurm_up.sh)")
+                          f"client tools are installed (for a one-node test cluster: ci/slurm.sh up)")
     try:
         out = subprocess.run(args, input=input, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -247,8 +247,11 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
         args = sbatch_command(cfg, settings, paths, workdir)
         args[1:1] = ["--comment", comment]
         # The job gets the one server launch environment (--export=ALL); SLURM_* of an enclosing
-        # allocation would leak into the new job's settings.
+        # allocation would leak into the new job's settings. SLURM_CONF stays: it says which cluster
+        # sbatch talks to (a site's module sets it; so do the tests, for their own cluster).
         env = launch_env(cfg, api_key, drop_prefixes=("SLURM_",))
+        if "SLURM_CONF" in os.environ:
+            env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
         out = _slurm(args, input=batch_script(cfg), env=env, check=False)
         if out.returncode != 0:
             why = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())

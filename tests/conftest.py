@@ -209,6 +209,48 @@ def descendants_running(pid: int, script: str) -> list[int]:
     return found
 
 
+# ----------------------------------------------------------------------------- the tests' own SLURM cluster
+
+SLURM_SCRIPT = ROOT / "ci" / "slurm.sh"
+
+
+def slurm_script(command: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`ci/slurm.sh COMMAND` (up, down or env); its progress and errors are on stderr."""
+    return subprocess.run(["bash", str(SLURM_SCRIPT), command], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def script_values(out: subprocess.CompletedProcess) -> dict:
+    """The KEY=VALUE lines `ci/slurm.sh up` prints on stdout (SLURM_CONF, STARTED)."""
+    return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The tests' private one-node SLURM cluster (ci/slurm.sh): its SLURM_CONF path. The session's
+    environment gets SLURM_CONF, so every SLURM command of the tests and of what they start (eaglenest,
+    Snakemake's SLURM executor, the jobs) talks to it and never to a system cluster. Skips with the
+    reason where this machine cannot run it (not root, no slurm-wlm); fails where it should start and
+    does not. Stopped at the end if this session started it; one already running is reused and left up."""
+    out = slurm_script("up")
+    if out.returncode == 77:
+        pytest.skip(out.stderr.strip().splitlines()[-1])
+    if out.returncode != 0:
+        pytest.fail(f"the tests' SLURM cluster did not start (ci/slurm.sh up, exit {out.returncode}):\n{out.stderr[-6000:]}")
+    values = script_values(out)
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = values["SLURM_CONF"]
+    try:
+        yield values["SLURM_CONF"]
+    finally:
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before
+        if values.get("STARTED") == "yes":
+            slurm_script("down")
+
+
 # ----------------------------------------------------------------------------- the default workflow, once a session
 # Shared by tests/test_default_workflow.py and tests/test_formats.py: the most expensive run of the suite.
 

@@ -2,7 +2,7 @@
 
 Real vLLM (the toy target) started by the workflow itself (`snakemake traces/shard_0.jsonl`, so the
 server_ready and generate_traces rules are the jobs under test), once through the one-node SLURM
-cluster of ci/slurm_up.sh and once as a local server bound to 0.0.0.0. Each server is shared by the
+cluster of the tests (ci/slurm.sh) and once as a local server bound to 0.0.0.0. Each server is shared by the
 tests of its module-scoped fixture and stopped at the end. server.keep_server keeps it up after the
 run so the tests can look at its process, job and files; --notemp keeps server.ready."""
 import contextlib
@@ -18,7 +18,7 @@ import yaml
 from conftest import TOY_PROMPTS, run_snakemake, write_config
 from eaglenest.server import RUN_KEY_FILE, ServerConfig, ServerError, probe, read_pidfile, LocalPaths, stop_server
 from eaglenest.slurm import read_record, SlurmPaths
-from test_slurm import _run, _scontrol_job, cluster_up  # noqa: F401  (the fixture)
+from test_slurm import _run, _scontrol_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -106,7 +106,7 @@ def _check_key_is_private(s, also: list[str]):
 
 
 @pytest.fixture(scope="module")
-def slurm_server(tmp_path_factory, cluster_up):  # noqa: F811
+def slurm_server(tmp_path_factory, slurm_cluster):
     wd = tmp_path_factory.mktemp("slurm_key")
     try:
         s = _start(wd, {"mode": "slurm", "slurm": {"cpus": 1, "mem": "4G", "gpus": 0, "time": "20:00"}})

@@ -1,13 +1,14 @@
-"""server.mode: slurm and profiles/slurm against the real one-node SLURM cluster of ci/slurm_up.sh.
+"""server.mode: slurm and profiles/slurm against the tests' own one-node SLURM cluster (ci/slurm.sh,
+started by conftest's slurm_cluster; SLURM_CONF names it to every SLURM command).
 
-These tests fail (they do not skip) when no cluster answers: start it with `ci/slurm_up.sh` (root).
+These tests skip, with the reason, where that cluster cannot run (not root, no slurm-wlm); they fail
+where it should start and does not.
 The server tests submit a fake vLLM (a module `vllm.entrypoints.openai.api_server` put first on the
 job's PYTHONPATH: it answers /v1/models like vLLM, after a second); one test serves the real toy
 target when toy/target exists. Everything submitted is cancelled at the end."""
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -73,20 +74,8 @@ def _run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
 
 
-@pytest.fixture(scope="module")
-def cluster_up():
-    """The cluster must answer and have its node up; otherwise every test here fails with the reason."""
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        pytest.fail("SLURM's client tools are not installed: run `ci/slurm_up.sh` as root first")
-    out = _run(["sinfo", "--noheader", "--format", "%T"])
-    states = set(out.stdout.split())
-    if out.returncode != 0 or not states & {"idle", "mixed", "allocated", "completing"}:
-        pytest.fail(f"the SLURM cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}): "
-                    f"run `ci/slurm_up.sh` as root first")
-
-
 @pytest.fixture
-def cluster(cluster_up):
+def cluster(slurm_cluster):
     """A list a test appends its SLURM job names to before it submits: every job of those names is
     cancelled when the test ends, passed or failed (scancel --name matches whole names)."""
     submitted = []
@@ -260,7 +249,8 @@ rule next_step:
 
 def test_profile_sends_rules_through_slurm(tmp_path, cluster):
     (tmp_path / "Snakefile").write_text(TWO_RULES)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    # No SBATCH_/SLURM_ settings of the caller's, but the tests' cluster (SLURM_CONF).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_")) or k == "SLURM_CONF"}
     env["EAGLENEST_GPU_PARTITION"] = "no-such-partition"  # only rules named in set-resources go there
     out = subprocess.run([SNAKEMAKE, "--profile", str(ROOT / "profiles" / "slurm"), "--verbose", "--retries", "0",
                           "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "5"],

@@ -1,5 +1,5 @@
-"""The workflow with its vLLM server (the real toy target) as a SLURM job of the real one-node cluster
-of ci/slurm_up.sh. Fails (does not skip) when no cluster answers.
+"""The workflow with its vLLM server (the real toy target) as a SLURM job of the tests' own one-node
+cluster (ci/slurm.sh, conftest's slurm_cluster). Skips with the reason where that cluster cannot run.
 
 - The whole workflow up to draft/checkpoint with --profile profiles/slurm: every heavy rule a SLURM job.
 - The server job's life across runs (the rule jobs run locally: server_ready and onerror run in
@@ -16,7 +16,7 @@ import yaml
 from conftest import TOY_PROMPTS, _started_at, run_snakemake, server_gone, vllm_pids, write_config
 from eaglenest.server import ServerConfig
 from eaglenest.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
-from test_slurm import ROOT, _run, _scontrol_job, cluster, cluster_up  # noqa: F401  (the fixtures)
+from test_slurm import ROOT, _run, _scontrol_job, cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -78,7 +78,7 @@ def _vllm(port):
 
 
 @pytest.fixture(scope="module")
-def kept_server(tmp_path_factory, cluster_up):  # noqa: F811
+def kept_server(tmp_path_factory, slurm_cluster):
     """A run with server.keep_server up to traces/shard_0.jsonl: its server job stays up after it.
     Every job this workflow directory submitted is cancelled, by id, when the module ends, passed or
     failed (the job name is a hash of this directory: no other test's or user's job has it)."""
