@@ -15,14 +15,21 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
-from eaglenest.config import ConfigError, validate_config
+from eaglenest.config import ConfigError, validate_config, write_resolved_config
 from eaglenest.server import ServerConfig, forget_run_key, stop_server
 from eaglenest.traces import ANSWER_SETTINGS
 
+# What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
+CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
 try:
-    config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
+    config.update(validate_config(config, source=f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config)"))
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
+RESOLVED_CONFIG = "logs/config.resolved.yaml"
+if workflow.is_main_process:  # not in the jobs Snakemake re-runs this file for (SLURM, --sdm conda)
+    # Written on every run, dry-runs included: what the run uses, schema defaults filled in.
+    write_resolved_config(config, RESOLVED_CONFIG, CONFIG_SOURCES)
+    logger.info(f"eaglenest: config from {' + '.join(CONFIG_SOURCES)} + schema defaults; resolved in {RESOLVED_CONFIG}")
 
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
