@@ -46,7 +46,7 @@ HIDDEN_STATES_DIR = config["hidden"]["states_dir"]
 STREAM = config["hidden"]["mode"] == "stream"
 # hidden: keys of stream mode and of the extraction server's placement (none changes a shard's content)
 STREAM_KEYS = ("mode", "max_disk_gb", "cache", "stream_ahead", "placement", "states_dir", "server_env",
-               "gpu_memory_utilization")
+               "gpu_memory_utilization", "gpu_memory_gib")
 if VLLM_HIDDEN and workflow.is_main_process:
     # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
     try:
