@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import schema_field
-from .errors import ServerError
+from .errors import ConfigError, ServerError
 from .server import ServerConfig, alive, check_model_path, launch_env, log_tail, probe, signal_group, vllm_command
 from .util import say, write_atomic
 
@@ -69,6 +69,15 @@ def gpu_partition(settings: SlurmSettings) -> str | None:
     """The partition of every GPU job, the servers' and the GPU rules': server.slurm.partition, else
     $EAGLENEST_GPU_PARTITION; None leaves it to sbatch ($SBATCH_PARTITION, else the cluster's default)."""
     return settings.partition or os.environ.get("EAGLENEST_GPU_PARTITION") or None
+
+
+def check_gpu_partition(settings: SlurmSettings, gpus: int) -> None:
+    """Refuse (ConfigError) GPU jobs without a GPU partition where $SBATCH_PARTITION is set: sbatch would
+    queue them there, and on a login node it usually names a CPU partition."""
+    if gpus and gpu_partition(settings) is None and os.environ.get("SBATCH_PARTITION"):
+        raise ConfigError(f"server.mode is slurm and no GPU partition is set: the GPU jobs would go to "
+                          f"$SBATCH_PARTITION ({os.environ['SBATCH_PARTITION']}). Set server.slurm.partition (or "
+                          f"$EAGLENEST_GPU_PARTITION) to the partition of your GPU nodes")
 
 
 def server_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:

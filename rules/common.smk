@@ -18,7 +18,7 @@ os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 from eaglenest.extract_vllm import preflight_logits_memory
 from eaglenest.config import ConfigError, validate_config, write_resolved_config
 from eaglenest.server import ServerConfig, forget_run_key, stop_server
-from eaglenest.slurm import SlurmSettings, gpu_partition, server_gpus
+from eaglenest.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
 from eaglenest.traces import ANSWER_SETTINGS
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
@@ -96,14 +96,11 @@ def gpu_resources(section):
     return {"gpu": n, "slurm_partition": partition} if n and partition else {"gpu": n}
 
 
-# A login node's $SBATCH_PARTITION is often a CPU partition: the server's job and the GPU rules would
-# queue there (sbatch reads it when no --partition is given). Stop before any job instead.
-if (SERVER.mode == "slurm" and gpu_partition(SLURM) is None and os.environ.get("SBATCH_PARTITION")
-        and (server_gpus(SERVER, SLURM) or any(gpus(s) for s in ("train", "validate")))):
-    raise WorkflowError(
-        f"server.mode is slurm and no GPU partition is set: the GPU jobs would go to $SBATCH_PARTITION "
-        f"({os.environ['SBATCH_PARTITION']}). Set server.slurm.partition (or $EAGLENEST_GPU_PARTITION) to the "
-        f"partition of your GPU nodes")
+if SERVER.mode == "slurm":
+    try:
+        check_gpu_partition(SLURM, server_gpus(SERVER, SLURM) + gpus("train") + gpus("validate"))
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
 
 
 # The draft directory of each export format (export.format: vllm, speculators or both).
