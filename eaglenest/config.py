@@ -79,6 +79,17 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
     return config
 
 
+def write_resolved_config(config: dict, path: str | Path, sources=()) -> None:
+    """Write the config a run uses (defaults filled in) as YAML, headed by the files it came from."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = f"# The resolved config of the last run: {' + '.join(map(str, sources)) or 'no file'}, --config, " \
+           f"then the defaults of schemas/{SCHEMA_PATH.name}.\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(head + yaml.safe_dump(config, sort_keys=False))
+    tmp.replace(path)
+
+
 def load_config(path: str | Path) -> dict:
     path = Path(path)
     try:

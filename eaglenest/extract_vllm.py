@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import glob
+import json
 import os
 import random
 import shutil
@@ -48,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import DiskSpaceError, EaglenestError
+from .errors import ConfigError, DiskSpaceError, EaglenestError
+from .gpus import nvidia_smi
 from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
 from .server import ServerConfig, key_hint
 from .target import load_target_head
@@ -92,6 +94,72 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
         # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
         kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,
         extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args, vllm_version(cfg.python)))
+
+
+# vLLM makes a request's prompt logits at once, beyond its start-up memory profile (module docstring):
+# model-dtype logits plus float32 log-probs, about 6 bytes per prompt token and vocabulary entry.
+PROMPT_LOGIT_BYTES = 6
+
+
+def target_vocab_size(model: str) -> int | None:
+    """The target's vocabulary from its config.json: a local directory, else the Hugging Face cache
+    ($HF_HOME / $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a repo id either
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    config = json.loads(path.read_text())
+    # multimodal targets (Kimi-K2.5) keep the language model's keys under text_config
+    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+
+
+def gpu_memory_gib() -> float | None:
+    """Memory of this machine's smallest NVIDIA GPU in GiB (nvidia-smi); None without one."""
+    totals = [float(row[0]) / 1024 for row in nvidia_smi("--query-gpu=memory.total") if row and row[0]]
+    return min(totals) if totals else None
+
+
+def check_logits_memory(server: dict, hidden: dict, vocab: int, gpu_gib: float) -> str:
+    """Refuse (ConfigError) an extraction-server memory share that leaves no room, outside vLLM's
+    share of a ``gpu_gib`` GPU, for the prompt logits of ``hidden.max_length`` tokens; else a one-line
+    summary. The share is ``hidden.gpu_memory_utilization``, else ``server.gpu_memory_utilization``,
+    else vLLM's default 0.9."""
+    key = "hidden.gpu_memory_utilization" if hidden.get("gpu_memory_utilization") else \
+        "server.gpu_memory_utilization"
+    share = hidden.get("gpu_memory_utilization") or server.get("gpu_memory_utilization") or 0.9
+    need = hidden["max_length"] * vocab * PROMPT_LOGIT_BYTES / 2**30
+    room = (1 - share) * gpu_gib
+    figure = (f"the prompt logits of hidden.max_length={hidden['max_length']} tokens x {vocab:,} vocabulary x "
+              f"{PROMPT_LOGIT_BYTES} bytes = {need:.1f} GiB; {key}={share:g} leaves {room:.1f} GiB of a "
+              f"{gpu_gib:.1f} GiB GPU outside vLLM's share")
+    if need > room:
+        most = int((1 - need / gpu_gib) * 100) / 100
+        fix = (f"set hidden.gpu_memory_utilization to {most:.2f} or less" if most > 0 else
+               "no share is small enough on this GPU")
+        raise ConfigError(f"the extraction server would run out of GPU memory: {figure}. To fix it, {fix}, "
+                          f"or lower hidden.max_length (hidden.gpu_memory_gib: the GPU's memory, if it is not "
+                          f"{gpu_gib:.1f} GiB)")
+    return f"extraction memory: {figure}"
+
+
+def preflight_logits_memory(server: dict, hidden: dict) -> str:
+    """``check_logits_memory`` with the GPU's memory (hidden.gpu_memory_gib, else nvidia-smi here) and
+    the target's vocabulary (``target_vocab_size``); a note saying why it was skipped when either is
+    unknown."""
+    gib, vocab = hidden.get("gpu_memory_gib") or gpu_memory_gib(), target_vocab_size(server["model"])
+    if gib and vocab:
+        return check_logits_memory(server, hidden, vocab, gib)
+    unknown = [what for what, known in (("the GPU's memory (set hidden.gpu_memory_gib; no nvidia-smi here)", gib),
+                                         (f"the vocabulary of {server['model']} (no local config.json, not in "
+                                          f"the Hugging Face cache)", vocab)) if not known]
+    return f"extraction memory not checked: unknown {' and '.join(unknown)}"
 
 
 def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import schema_field
-from .errors import ServerError
+from .errors import ConfigError, ServerError
 from .server import ServerConfig, alive, check_model_path, launch_env, log_tail, probe, signal_group, vllm_command
 from .util import say, write_atomic
 
@@ -52,7 +52,7 @@ REPORT_EVERY_S = 30.0
 class SlurmSettings:
     """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
 
-    partition: str | None = schema_field("server.slurm", "partition")  # None: $SBATCH_PARTITION, else the cluster's default
+    partition: str | None = schema_field("server.slurm", "partition")  # the GPU partition (gpu_partition)
     account: str | None = schema_field("server.slurm", "account")      # None: $SBATCH_ACCOUNT, else none
     time: str | int = schema_field("server.slurm", "time")             # sbatch --time; an int is minutes
     cpus: int = schema_field("server.slurm", "cpus")                   # --cpus-per-task of the one task
@@ -63,6 +63,26 @@ class SlurmSettings:
     @classmethod
     def from_dict(cls, d: dict | None) -> "SlurmSettings":
         return cls(**{k: v for k, v in (d or {}).items() if k in cls.__dataclass_fields__})
+
+
+def gpu_partition(settings: SlurmSettings) -> str | None:
+    """The partition of every GPU job, the servers' and the GPU rules': server.slurm.partition, else
+    $EAGLENEST_GPU_PARTITION; None leaves it to sbatch ($SBATCH_PARTITION, else the cluster's default)."""
+    return settings.partition or os.environ.get("EAGLENEST_GPU_PARTITION") or None
+
+
+def check_gpu_partition(settings: SlurmSettings, gpus: int) -> None:
+    """Refuse (ConfigError) GPU jobs without a GPU partition where $SBATCH_PARTITION is set: sbatch would
+    queue them there, and on a login node it usually names a CPU partition."""
+    if gpus and gpu_partition(settings) is None and os.environ.get("SBATCH_PARTITION"):
+        raise ConfigError(f"server.mode is slurm and no GPU partition is set: the GPU jobs would go to "
+                          f"$SBATCH_PARTITION ({os.environ['SBATCH_PARTITION']}). Set server.slurm.partition (or "
+                          f"$EAGLENEST_GPU_PARTITION) to the partition of your GPU nodes")
+
+
+def server_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:
+    """GPUs of the server's job: server.slurm.gpus, else server.tensor_parallel_size."""
+    return cfg.tensor_parallel_size if settings.gpus is None else settings.gpus
 
 
 @dataclass
@@ -177,7 +197,7 @@ def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths
                    workdir: str | Path | None = None) -> list[str]:
     """sbatch's argument list (the script goes on stdin)."""
     workdir = Path(workdir or os.getcwd()).resolve()
-    gpus = cfg.tensor_parallel_size if settings.gpus is None else settings.gpus
+    gpus, partition = server_gpus(cfg, settings), gpu_partition(settings)
     args = ["sbatch", "--parsable", "--job-name", job_name(cfg, workdir),
             "--output", str(paths.log_pattern.resolve()), "--open-mode=append", "--chdir", str(workdir),
             "--export=ALL", "--nodes=1", "--ntasks=1", f"--cpus-per-task={settings.cpus}",
@@ -186,8 +206,8 @@ def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths
         args.append(f"--gres=gpu:{gpus}")
     if settings.mem is not None:
         args.append(f"--mem={settings.mem}")
-    if settings.partition:
-        args.append(f"--partition={settings.partition}")
+    if partition:
+        args.append(f"--partition={partition}")
     if settings.account:
         args.append(f"--account={settings.account}")
     return args + [str(a) for a in settings.extra_sbatch_args]

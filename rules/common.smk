@@ -15,17 +15,27 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
-from eaglenest.config import ConfigError, validate_config
+from eaglenest.extract_vllm import preflight_logits_memory
+from eaglenest.config import ConfigError, validate_config, write_resolved_config
 from eaglenest.server import ServerConfig, forget_run_key, stop_server
+from eaglenest.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
 from eaglenest.traces import ANSWER_SETTINGS
 
+# What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
+CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
 try:
-    config.update(validate_config(config, source="the workflow config (config.yaml and --config/--configfile)"))
+    config.update(validate_config(config, source=f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config)"))
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
+RESOLVED_CONFIG = "logs/config.resolved.yaml"
+if workflow.is_main_process:  # not in the jobs Snakemake re-runs this file for (SLURM, --sdm conda)
+    # Written on every run, dry-runs included: what the run uses, schema defaults filled in.
+    write_resolved_config(config, RESOLVED_CONFIG, CONFIG_SOURCES)
+    logger.info(f"eaglenest: config from {' + '.join(CONFIG_SOURCES)} + schema defaults; resolved in {RESOLVED_CONFIG}")
 
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
+SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 # hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and
 # pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
@@ -36,7 +46,13 @@ HIDDEN_STATES_DIR = config["hidden"]["states_dir"]
 STREAM = config["hidden"]["mode"] == "stream"
 # hidden: keys of stream mode and of the extraction server's placement (none changes a shard's content)
 STREAM_KEYS = ("mode", "max_disk_gb", "cache", "stream_ahead", "placement", "states_dir", "server_env",
-               "gpu_memory_utilization")
+               "gpu_memory_utilization", "gpu_memory_gib")
+if VLLM_HIDDEN and workflow.is_main_process:
+    # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
+    try:
+        logger.info(f"eaglenest: {preflight_logits_memory(config['server'], config['hidden'])}")
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
 if STREAM and not VLLM_HIDDEN:
     raise WorkflowError("hidden.mode: stream takes the states from the vLLM extraction server: set hidden.backend: vllm "
                         "(or hidden.mode: files to use the transformers backend)")
@@ -59,9 +75,32 @@ def all_cores():
 
 
 def gpus(section):
-    """GPUs for the jobs of one config section: `<section>.gpus`, else one where this machine has a GPU."""
-    n = config[section].get("gpus")
-    return int(HAS_GPU) if n is None else n
+    """GPUs for the jobs of one config section (hidden, train, validate): `<section>.gpus` when set.
+    Unset, under server.mode slurm they follow the server job's GPUs (server.slurm.gpus, else
+    tensor_parallel_size), never the submitting node, a login node without GPUs; elsewhere the GPUs of
+    this machine. Validation starts the target's servers, so it takes the server's count; the others one."""
+    n = config[section]["gpus"]
+    if n is not None:
+        return n
+    if SERVER.mode == "slurm":
+        server = server_gpus(SERVER, SLURM)
+    else:
+        server = SERVER.tensor_parallel_size if HAS_GPU else 0
+    return server if section == "validate" else min(1, server)
+
+
+def gpu_resources(section):
+    """A GPU rule's resources: its GPUs and, for the SLURM profile, the GPU partition (server.slurm.partition,
+    else $EAGLENEST_GPU_PARTITION), so GPU jobs never land in $SBATCH_PARTITION's CPU partition."""
+    n, partition = gpus(section), gpu_partition(SLURM)
+    return {"gpu": n, "slurm_partition": partition} if n and partition else {"gpu": n}
+
+
+if SERVER.mode == "slurm":
+    try:
+        check_gpu_partition(SLURM, server_gpus(SERVER, SLURM) + gpus("train") + gpus("validate"))
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
 
 
 # The draft directory of each export format (export.format: vllm, speculators or both).

@@ -31,7 +31,7 @@ rule train_draft:
         **stream_params(),
     threads: all_cores()
     resources:
-        gpu=gpus("train"),
+        **gpu_resources("train"),
     conda:
         "../envs/eaglenest.yaml"
     log:

@@ -97,7 +97,7 @@ else:
                     if k not in ("temporary", "device", "batch_tokens", "gpus", "backend", "concurrency", "port",
                                  "request_timeout", "max_retries", *STREAM_KEYS)},
         resources:
-            gpu=gpus("hidden"),
+            **gpu_resources("hidden"),
         conda:
             "../envs/eaglenest.yaml"
         log:

@@ -18,7 +18,7 @@ rule validate_draft:
         log_dir="logs/validate",
     threads: all_cores()
     resources:
-        gpu=gpus("validate"),
+        **gpu_resources("validate"),
     conda:
         "../envs/eaglenest.yaml"
     log:

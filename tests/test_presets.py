@@ -1,0 +1,245 @@
+"""The presets in configs/ are what they say, and their SLURM variants plan right from a login node.
+
+Each preset is resolved as the workflow resolves it (a dry-run, which writes logs/config.resolved.yaml);
+the SLURM variants are dry-run through profiles/slurm with no nvidia-smi on PATH, as on a login node."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglenest.config import defaults, load_schema, validate_config
+from eaglenest.errors import ConfigError
+from eaglenest.extract_vllm import check_logits_memory, preflight_logits_memory, target_vocab_size
+from eaglenest.server import ServerConfig
+from eaglenest.slurm import SlurmPaths, SlurmSettings, sbatch_command
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+SLURM_PRESETS = [p for p in PRESETS if p.name.endswith(".slurm.yaml")]
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+# What a SLURM variant may change of its one-node preset
+SLURM_KEYS = [("server", "mode"), ("server", "slurm"), ("hidden", "gpus"), ("hidden", "gpu_memory_gib"),
+              ("train", "gpus"), ("validate", "gpus")]
+GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate"}
+
+
+def _no_gpu_env() -> dict:
+    """This environment as a login node has it: no nvidia-smi on PATH, $SBATCH_PARTITION a CPU partition."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "EAGLENEST_GPU_PARTITION"))}
+    return {**env, "PATH": os.pathsep.join(path), "SBATCH_PARTITION": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def dry_run(workdir: Path, *args) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = _no_gpu_env()
+    assert shutil.which("nvidia-smi", path=env["PATH"]) is None
+    out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(workdir), "-n", *args],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def _leaves(d: dict, prefix=()):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v
+
+
+def _get(d: dict, path):
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return KeyError
+        d = d[k]
+    return d
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory):
+    """{preset name: (config the workflow resolved, dry-run output)}; SLURM variants through the SLURM profile."""
+    runs = {}
+    for path in PRESETS:
+        wd = tmp_path_factory.mktemp(path.stem.replace(".", "_"))
+        args = ["--profile", str(ROOT / "profiles/slurm")] if path in SLURM_PRESETS else ["--cores", "1"]
+        out = dry_run(wd, "--configfile", str(path), *args)
+        runs[path.name] = yaml.safe_load((wd / "logs/config.resolved.yaml").read_text()), out
+    return runs
+
+
+def test_there_are_presets_with_slurm_variants():
+    names = {p.name for p in PRESETS}
+    assert {"llama-3.1-8b-instruct.yaml", "qwen3-8b-thinking.yaml", "kimi-k2.5-int4.yaml"} <= names
+    for p in PRESETS:
+        assert p.name.endswith(".slurm.yaml") or p.name.replace(".yaml", ".slurm.yaml") in names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved):
+    """No key a preset leaves out comes from config.yaml: it is the schema's default."""
+    cfg, out = resolved[path.name]
+    preset = yaml.safe_load(path.read_text())
+    assert cfg == validate_config(preset)
+    embedded, schema = yaml.safe_load((ROOT / "config.yaml").read_text()), defaults()
+    for key, value in _leaves(cfg):
+        if _get(preset, key) is KeyError:
+            assert value == _get(schema, key), f"{'.'.join(key)} is not the schema's default"
+            if _get(embedded, key) not in (KeyError, value):
+                assert value != _get(embedded, key)  # the toy's value did not leak in
+    assert "logs/config.resolved.yaml" in out
+
+
+def test_the_embedded_default_and_config_overrides_still_apply(tmp_path):
+    (tmp_path / "plain").mkdir()
+    shutil.copy(ROOT / "config.yaml", tmp_path / "plain/config.yaml")  # the Snakefile's configfile, in the workdir
+    dry_run(tmp_path / "plain", "--cores", "1", "--config", "shards=3")  # no --configfile: config.yaml
+    cfg = yaml.safe_load((tmp_path / "plain/logs/config.resolved.yaml").read_text())
+    embedded = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert cfg == validate_config({**embedded, "shards": 3})
+    preset = ROOT / "configs/qwen3-8b-thinking.yaml"
+    dry_run(tmp_path / "preset", "--cores", "1", "--configfile", str(preset), "--config", "shards=3")
+    cfg = yaml.safe_load((tmp_path / "preset/logs/config.resolved.yaml").read_text())
+    assert cfg == validate_config({**yaml.safe_load(preset.read_text()), "shards": 3})
+
+
+@pytest.mark.parametrize("path", SLURM_PRESETS, ids=lambda p: p.name)
+def test_a_slurm_variant_is_its_preset_but_for_the_slurm_keys(path):
+    variant = validate_config(yaml.safe_load(path.read_text()))
+    base = validate_config(yaml.safe_load(path.with_name(path.name.replace(".slurm", "")).read_text()))
+    assert variant["server"]["mode"] == "slurm" and variant["server"]["slurm"]["partition"]
+    assert all(v is not None for k, v in variant["server"]["slurm"].items() if k != "account")
+    for section, key in SLURM_KEYS:
+        assert variant[section][key] is not None, f"{section}.{key} must be explicit in {path.name}"
+        del variant[section][key], base[section][key]
+    assert variant == base
+
+
+def _dry_run_jobs(out: str) -> list[dict]:
+    """[{rule, resources}] of the jobs a dry-run prints."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
+        m = re.match(r"(?:local)?rule (\w+):", block)
+        res = re.search(r"^\s+resources: (.*)$", block, re.M)
+        if m and res:
+            jobs.append({"rule": m.group(1), "resources": dict(kv.split("=", 1) for kv in res.group(1).split(", "))})
+    return jobs
+
+
+@pytest.mark.parametrize("path", SLURM_PRESETS, ids=lambda p: p.name)
+def test_a_slurm_preset_plans_its_gpus_and_partition_from_a_login_node(path, resolved, tmp_path):
+    """No nvidia-smi on PATH and $SBATCH_PARTITION=cpu: every GPU rule still asks for its GPUs in the GPU
+    partition, and so does the server's job (and the extraction server's, which shares its settings)."""
+    cfg, out = resolved[path.name]
+    partition = cfg["server"]["slurm"]["partition"]
+    if path.name.startswith("qwen3"):  # backend transformers too: its extract_hidden rule is a GPU rule
+        out += dry_run(tmp_path, "--configfile", str(path), "--profile", str(ROOT / "profiles/slurm"),
+                       "--config", "hidden={backend: transformers}")
+    jobs = _dry_run_jobs(out)
+    planned = {j["rule"] for j in jobs}
+    assert {"train_draft", "validate_draft", "server_ready"} <= planned
+    for job in jobs:
+        if job["rule"] in GPU_RULES:
+            section = GPU_RULES[job["rule"]]
+            assert int(job["resources"]["gpu"]) == cfg[section]["gpus"] > 0, job
+            assert job["resources"]["slurm_partition"] == partition, job
+        else:  # CPU jobs stay where $SBATCH_PARTITION sends them, without GPUs
+            assert int(job["resources"].get("gpu", 0)) == 0, job
+    server = ServerConfig.from_dict(cfg["server"])
+    args = sbatch_command(server, SlurmSettings.from_dict(cfg["server"]["slurm"]), SlurmPaths(tmp_path), tmp_path)
+    assert f"--partition={partition}" in args and f"--gres=gpu:{cfg['server']['slurm']['gpus']}" in args
+
+
+def test_server_job_partition_falls_back_to_eaglenest_gpu_partition(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLENEST_GPU_PARTITION", "gpu-env")
+    server, paths = ServerConfig(mode="slurm", tensor_parallel_size=2), SlurmPaths(tmp_path)
+    assert "--partition=gpu-env" in sbatch_command(server, SlurmSettings(), paths, tmp_path)
+    assert "--partition=mine" in sbatch_command(server, SlurmSettings(partition="mine"), paths, tmp_path)
+    assert "--gres=gpu:2" in sbatch_command(server, SlurmSettings(), paths, tmp_path)
+
+
+def test_slurm_mode_without_a_gpu_partition_stops_when_sbatch_partition_would_take_the_gpu_jobs(tmp_path):
+    env = _no_gpu_env()
+    out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
+                          "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0 and "server.slurm.partition" in out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The extraction server's memory share and the prompt logits
+
+QWEN3 = {"server": {"gpu_memory_utilization": 0.9}, "hidden": {"max_length": 10240, "gpu_memory_utilization": None}}
+
+
+def test_a_share_that_cannot_hold_the_prompt_logits_is_refused_naming_the_key():
+    # 10240 x 151,936 x 6 bytes = 8.7 GiB; 0.9 of an 80 GB GPU (79.6 GiB) leaves 8.0
+    with pytest.raises(ConfigError) as e:
+        check_logits_memory(QWEN3["server"], QWEN3["hidden"], 151936, 79.6)
+    msg = str(e.value)
+    assert "server.gpu_memory_utilization=0.9" in msg and "8.7 GiB" in msg and "8.0 GiB" in msg
+    assert "set hidden.gpu_memory_utilization to 0.89 or less" in msg
+    ok = check_logits_memory(QWEN3["server"], {**QWEN3["hidden"], "gpu_memory_utilization": 0.85}, 151936, 79.6)
+    assert "hidden.gpu_memory_utilization=0.85" in ok and "11.9 GiB" in ok
+
+
+def test_the_workflow_stops_before_any_job_when_the_share_is_too_large(tmp_path):
+    # the toy: 512 tokens x 105 x 6 bytes = 0.3 MiB; 0.9 of a 1 MiB "GPU" leaves 0.1 MiB
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["server"]["model"] = str(ROOT / "toy/target")
+    cfg["hidden"].update(backend="vllm", max_length=512, gpu_memory_utilization=0.9, gpu_memory_gib=1 / 1024)
+    (tmp_path / "tight.yaml").write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
+                          "--configfile", str(tmp_path / "tight.yaml")],
+                         capture_output=True, text=True, timeout=300, env=_no_gpu_env())
+    assert out.returncode != 0
+    assert "hidden.gpu_memory_utilization" in out.stdout + out.stderr and "prompt logits" in out.stdout + out.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_vocabulary_from_a_local_target_or_the_hf_cache(tmp_path, monkeypatch):
+    assert target_vocab_size(str(ROOT / "toy/target")) == 105
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm/config.json").write_text('{"text_config": {"vocab_size": 163840}}')
+    assert target_vocab_size(str(tmp_path / "mm")) == 163840
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--Org--Model/snapshots/abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"vocab_size": 151936}')
+    (cache / "models--Org--Model/refs").mkdir()
+    (cache / "models--Org--Model/refs/main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert target_vocab_size("Org/Model") == 151936
+    assert target_vocab_size("Org/Absent") is None
+
+
+def test_the_check_is_skipped_with_a_note_when_gpu_memory_or_vocabulary_is_unknown(monkeypatch):
+    monkeypatch.setenv("PATH", _no_gpu_env()["PATH"])
+    note = preflight_logits_memory({"model": str(ROOT / "toy/target")}, {"max_length": 512, "gpu_memory_gib": None})
+    assert note.startswith("extraction memory not checked") and "hidden.gpu_memory_gib" in note
+    note = preflight_logits_memory({"model": "Org/Absent"}, {"max_length": 512, "gpu_memory_gib": 80})
+    assert "vocabulary of Org/Absent" in note
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+
+
+def test_every_schema_key_has_a_description():
+    missing = []
+
+    def walk(node, path):
+        for key, sub in node.get("properties", {}).items():
+            if not str(sub.get("description", "")).strip():
+                missing.append(".".join((*path, key)))
+            walk(sub, (*path, key))
+
+    walk(load_schema(), ())
+    assert not missing, f"schemas/config.schema.yaml: no description for {', '.join(missing)}"
