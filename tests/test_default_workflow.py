@@ -2,8 +2,7 @@
 report included) with the repo's own config.yaml, in real vLLM on the toy target.
 
 Only what cannot be shared between machines is changed: paths are made absolute (the workflow runs in a
-temporary directory) and servers get free ports; training runs 3 training-time-test steps instead of
-7 (see TRAIN). Whatever else the default is (its hidden-state backend, its training) is what runs here.
+temporary directory) and servers get free ports. Everything else is the shipped config.
 About 20 minutes on 2 cores: the slowest test of the suite.
 
 The report's facts are the product's promise: acceptance length at least 3.0 at k=3 in vLLM, above
