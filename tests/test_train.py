@@ -7,11 +7,13 @@ import socket
 import pytest
 import torch
 
-from eaglenest import train
-from eaglenest.hidden import extract_hidden
-from eaglenest.target import load_target_head, save_target_head
-from eaglenest.train import epoch_batches, load_checkpoint, lr_at, resolve_config, target_distribution, train_draft
-from eaglenest.vocab import build_vocab
+from eaglenest.draft import train
+from eaglenest.draft.batches import epoch_batches
+from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
+from eaglenest.draft.train import lr_at, target_distribution, train_draft
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.target import load_target_head, save_target_head
 from test_hidden import fake_traces, tiny_target
 
 CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
@@ -346,17 +348,17 @@ def test_skip_unscored_trains_the_same_draft(data, tmp_path, monkeypatch):
     """train_draft on the flex path (the CUDA default's layout, uncompiled on CPU) with the later TTT
     steps at the scored chains only, and at every position: the same losses and accuracies step by
     step (the toy's traces have prompts, and batches of several sequences have padding)."""
-    import eaglenest.model
+    import eaglenest.draft.model
 
     config = {**CONFIG, "attention": "flex", "fused_loss": True, "split_step_grads": True, "diag_split": True}
-    sizes, chains = [], eaglenest.model.ttt_chains
+    sizes, chains = [], eaglenest.draft.ttt.ttt_chains
 
     def counted(rows, T, J, n_flat):  # how many positions the later steps run at, of how many
         out = chains(rows, T, J, n_flat)
         sizes.append((len(out), n_flat))
         return out
 
-    monkeypatch.setattr(eaglenest.model, "ttt_chains", counted)
+    monkeypatch.setattr(eaglenest.draft.model, "ttt_chains", counted)
     rows = {}
     for skip in (True, False):
         out = tmp_path / str(skip)

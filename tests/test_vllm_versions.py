@@ -6,10 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest import extract_vllm, vllm_format
-from eaglenest.target import target_info
-from eaglenest.vllm_format import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed, extraction_server_args,
-                                   launch, serve_line, supported_version_note, version_at_least, vllm_version)
+from eaglenest.draft.vllm_format import launch, serve_line
+from eaglenest.serving import vllm as vllm_format
+from eaglenest.serving.vllm import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed,
+                                    extraction_server_args, supported_version_note, version_at_least, vllm_version)
+from eaglenest.states import extract as extract_vllm
+from eaglenest.states.target import target_info
 
 
 def test_version_at_least_reads_release_strings():
