@@ -17,11 +17,11 @@ from aiohttp import web
 from safetensors.torch import load_file, save_file
 
 from conftest import TOY_TARGET, free_port
-from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, layer_ids
 from eaglenest.errors import DiskSpaceError
-from eaglenest.target import save_target_head
-from eaglenest.vllm_connector import storage_dir
-from eaglenest.vllm_format import extraction_server_args, extraction_speculative_config
+from eaglenest.serving.connector import storage_dir
+from eaglenest.serving.vllm import extraction_server_args, extraction_speculative_config
+from eaglenest.states.extract import ExtractError, extract_hidden_vllm, layer_ids
+from eaglenest.states.target import save_target_head
 
 
 def stub_greedy(ids):
