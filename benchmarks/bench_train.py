@@ -27,9 +27,9 @@ import eaglenest.draft.model
 from eaglenest.draft.batches import loss_rows
 from eaglenest.draft.checkpoint import resolve_config
 from eaglenest.draft.config import DraftConfig
-from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.model import Eagle3Draft, Runtime
 from eaglenest.draft.optim import clip_and_step
-from eaglenest.draft.train import (AUTO_KEYS, configure_compile, make_optimizer, resolve_runtime, set_runtime,
+from eaglenest.draft.train import (AUTO_KEYS, configure_compile, make_optimizer, resolve_runtime,
                                    target_distribution)
 from eaglenest.draft.ttt import token_embeds_ids, ttt_loss_plan
 
@@ -156,8 +156,7 @@ def main():
                           head_dim=H // nh, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H,
                           rms_norm_eps=1e-5, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-        model = Eagle3Draft(cfg).to(dev)
-        set_runtime(model, run)
+        model = Eagle3Draft(cfg, runtime=Runtime.from_config(run)).to(dev)
         if run["freeze_lm_head"]:
             model.lm_head.weight.requires_grad_(False)
         g = torch.Generator(device=dev).manual_seed(0)

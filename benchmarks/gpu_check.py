@@ -19,7 +19,7 @@ import sys
 import torch
 
 from eaglenest.draft.config import DraftConfig
-from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.model import Eagle3Draft, Runtime
 from eaglenest.draft.train import configure_compile, target_distribution
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True, "split_step_grads": True, "diag_split": True,
@@ -33,8 +33,7 @@ def rel(a, b):
 
 
 def run(model, variant, ids, aux, targets, ttt, autocast):
-    for k, v in variant.items():
-        setattr(model, k, v)
+    model.runtime = Runtime(**variant)
     model.zero_grad(set_to_none=True)
     dev = ids.device.type
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):

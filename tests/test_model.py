@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.losses import soft_cross_entropy, ttt_loss
-from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.model import Eagle3Draft, Runtime
 from eaglenest.draft.vllm_format import tensor_shapes
 from eaglenest.draft.vocab import maps_from_ids
 
@@ -174,7 +174,7 @@ def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, sp
                "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.rand(len(rows)) > 0.2}
     results = []
     for variant in (("sdpa", False, False, False, False, False), (attention, fused, recompute, split, diag, skip)):
-        model.attention, model.fused_loss, model.recompute, model.split_step_grads, model.diag_split, model.skip_unscored = variant
+        model.runtime = Runtime(**dict(zip(("attention", "fused_loss", "recompute", "split_step_grads", "diag_split", "skip_unscored"), variant)))
         model.zero_grad(set_to_none=True)
         for _ in range(2):
             loss, stats = model(ids, aux, targets, ttt_length=J, chunk=50)  # several loss chunks
@@ -299,7 +299,7 @@ def test_split_step_grads_leave_nothing_behind():
     import gc
 
     model = make_model().train()
-    model.attention, model.fused_loss, model.split_step_grads = "flex", True, True
+    model.runtime = Runtime(attention="flex", fused_loss=True, split_step_grads=True)
     B, T = 1, 128
     ids, aux = inputs(B=B, T=T)
     rows = torch.arange(1, B * T)

@@ -11,6 +11,7 @@ from eaglenest.draft import batches as batching
 from eaglenest.draft import train
 from eaglenest.draft.batches import epoch_batches
 from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
+from eaglenest.draft.model import Runtime
 from eaglenest.draft.train import lr_at, target_distribution, train_draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.states.hidden import extract_hidden
@@ -264,9 +265,8 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     assert train.resolve_runtime({**cfg, "diag_split": False}, "cuda")["skip_unscored"] is False
     with pytest.raises(ValueError, match="train.skip_unscored: true needs diag_split"):
         train.resolve_runtime({**cfg, "diag_split": False, "skip_unscored": True}, "cuda")
-    model = type("M", (), {})()
-    train.set_runtime(model, cuda, world=2)  # DDP watches the parameters' own gradients
-    assert model.split_step_grads is False and model.diag_split is True
+    runtime = Runtime.from_config(cuda, world=2)  # DDP watches the parameters' own gradients
+    assert runtime.split_step_grads is False and runtime.diag_split is True
     # compiled: batches padded to one shape per padded length
     assert batching.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
     assert batching.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)

@@ -21,6 +21,7 @@ holds when it drafts that token, and to nothing later.
 """
 
 
+import dataclasses
 import functools
 
 import torch
@@ -36,13 +37,53 @@ from .ttt import (GatherRows, StepGrads, causal_block_mask, mark_chains_dynamic,
 from .vllm_format import draft_to_target_ids
 
 
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """How the TTT runs: the same model and losses either way. The defaults are the reference path;
+    ``train.resolve_runtime`` picks the device's (on CUDA: the flex path, compiled and fused)."""
+
+    attention: str = "sdpa"
+    """"sdpa": a dense boolean mask, keys concatenated step by step (any device); "flex": fixed-shape
+    steps over a preallocated key buffer with block-sparse flex attention (T a multiple of
+    FLEX_BLOCK; CUDA for speed, CPU works for tests)."""
+    compiled: bool = False
+    """The flex step is one torch.compile'd function (see ``Eagle3Draft._flex_step``)."""
+    recompute: bool = False
+    """Each TTT step's activations are recomputed in backward instead of kept."""
+    fused_loss: bool = False
+    """``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept)."""
+    split_step_grads: bool = False
+    """Each flex TTT step gets its own alias of the weights the steps share, and their gradients are
+    summed in one pass when backward is done (``StepGrads``) instead of autograd adding them into one
+    buffer step by step (6 bf16 adds at TTT 7: benchmarks/RESULTS.md, "Figures moved out of code
+    comments"); costs ttt_length bf16 gradients of the layer at the end of backward. Not under DDP,
+    whose hooks watch the parameters' own gradients."""
+    diag_split: bool = False
+    """Flex path: flex attention over step 0's causal keys only, the later steps' keys (one per
+    query, on the diagonal) merged in elementwise (``Attention.attend_ttt``)."""
+    skip_unscored: bool = False
+    """With diag_split and targets: the later TTT steps (j >= 1) run only at the base positions whose
+    chain still has a scored token ahead (``ttt_chains``): not at prompt or padding positions. Exact:
+    a later step's output at t only feeds its own chain at t."""
+
+    @classmethod
+    def from_config(cls, cfg, world=1):
+        """From a ``train.resolve_runtime`` config (its key ``compile`` is ``compiled`` here);
+        ``split_step_grads`` only in a single process (DDP's reducer watches the parameters' own
+        gradients)."""
+        return cls(attention=cfg["attention"], compiled=cfg["compile"], recompute=cfg["recompute"],
+                   fused_loss=cfg["fused_loss"], split_step_grads=cfg["split_step_grads"] and world == 1,
+                   diag_split=cfg["diag_split"], skip_unscored=cfg["skip_unscored"])
+
+
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, runtime: Runtime = Runtime()):
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.config = cfg
+        self.runtime = runtime  # how the TTT runs (``Runtime``): read at each forward
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,31 +121,6 @@ class Eagle3Draft(nn.Module):
             if norm_weight is not None:
                 self.norm.weight.copy_(norm_weight)
 
-    # How the TTT runs (train.py sets these from the config; the defaults are the reference path):
-    # attention "sdpa": a dense boolean mask, keys concatenated step by step (any device);
-    #           "flex": fixed-shape steps over a preallocated key buffer with block-sparse flex
-    #           attention (T a multiple of FLEX_BLOCK; CUDA for speed, CPU works for tests).
-    # compiled: the flex step is one torch.compile'd function (see ``_flex_step``).
-    # recompute: each TTT step's activations are recomputed in backward instead of kept.
-    # fused_loss: ``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept).
-    # split_step_grads: each flex TTT step gets its own alias of the weights the steps share, and
-    #   their gradients are summed in one pass when backward is done (``StepGrads``) instead
-    #   of autograd adding them into one buffer step by step (6 bf16 adds at TTT 7: benchmarks/RESULTS.md,
-    #   "Figures moved out of code comments"); costs ttt_length bf16 gradients of the layer at the end of
-    #   backward. Not under DDP, whose hooks watch the parameters' own gradients.
-    attention = "sdpa"
-    compiled = False
-    recompute = False
-    fused_loss = False
-    split_step_grads = False
-    # diag_split: flex path: flex attention over step 0's causal keys only, the later steps' keys
-    #   (one per query, on the diagonal) merged in elementwise (``Attention.attend_ttt``).
-    diag_split = False
-    # skip_unscored: with diag_split and targets: the later TTT steps (j >= 1) run only at the base
-    #   positions whose chain still has a scored token ahead (``ttt_chains``): not at prompt or
-    #   padding positions. Exact: a later step's output at t only feeds its own chain at t.
-    skip_unscored = False
-
     def step_mask(self, T, step, device):
         return ttt_mask(T, step, device)
 
@@ -124,9 +140,9 @@ class Eagle3Draft(nn.Module):
             if self.embed_weight.shape[0] == 0:
                 raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
             embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
-        if self.attention == "flex":
+        if self.runtime.attention == "flex":
             chains = None
-            if self.skip_unscored and self.diag_split and targets is not None and ttt_length > 1:
+            if self.runtime.skip_unscored and self.runtime.diag_split and targets is not None and ttt_length > 1:
                 plan = targets.get("plan") or {}
                 B, T = input_ids.shape
                 chains = plan["chains"] if "chains" in plan else ttt_chains(targets["rows"], T, ttt_length, B * T)
@@ -135,8 +151,8 @@ class Eagle3Draft(nn.Module):
             outs = self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds)
         if targets is None:
             return outs
-        if self.fused_loss:
-            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.compiled)
+        if self.runtime.fused_loss:
+            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.runtime.compiled)
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
@@ -164,10 +180,10 @@ class Eagle3Draft(nn.Module):
         hidden = self.fc(aux_hidden)
         device = input_ids.device
         valid = [None] * ttt_length
-        if self.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
-            masks = [causal_block_mask(T, str(device)) if device.type == "cuda" or self.compiled else ttt_mask(T, 0, device)] * ttt_length
+        if self.runtime.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
+            masks = [causal_block_mask(T, str(device)) if device.type == "cuda" or self.runtime.compiled else ttt_mask(T, 0, device)] * ttt_length
             valid = [torch.arange(1, ttt_length, device=device) <= j for j in range(ttt_length)]
-        elif device.type == "cuda" or self.compiled:
+        elif device.type == "cuda" or self.runtime.compiled:
             masks = ttt_block_masks(T, ttt_length, str(device))
         else:  # CPU (tests): flex has no backward there, and uncompiled it evaluates the mask_mod
             # densely, which the block lists above rely on not happening; the same pattern as dense masks
@@ -178,10 +194,10 @@ class Eagle3Draft(nn.Module):
         k_buf = torch.zeros(B, attn.n_kv, ttt_length * T, attn.head_dim, device=device, dtype=kv_dtype, requires_grad=grad)
         v_buf = torch.zeros_like(k_buf, requires_grad=grad)
         base = torch.arange(T, device=device)
-        step = self._compiled_step() if self.compiled else self._flex_step
-        shared = self.step_params() if self.split_step_grads and grad else None
+        step = self._compiled_step() if self.runtime.compiled else self._flex_step
+        shared = self.step_params() if self.runtime.split_step_grads and grad else None
         outs = []
-        collect = StepGrads(list(shared.values()), compiled=self.compiled) if shared else None
+        collect = StepGrads(list(shared.values()), compiled=self.runtime.compiled) if shared else None
         for j in range(ttt_length if chains is None else 1):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
@@ -206,12 +222,12 @@ class Eagle3Draft(nn.Module):
         kd = torch.zeros(len(chains), ttt_length - 1, attn.n_kv, attn.head_dim, device=device, dtype=k0.dtype, requires_grad=grad)
         vd = torch.zeros_like(kd, requires_grad=grad)
         steps = torch.arange(1, ttt_length, device=device)
-        step = self._compiled_chains_step() if self.compiled else self._chains_step
+        step = self._compiled_chains_step() if self.runtime.compiled else self._chains_step
         outs = []
         for j in range(1, ttt_length):
             cos, sin = self.rotary_emb(h, (pos + j).unsqueeze(0))
             args = (flat_embeds, e_rows + j, h, cos, sin, k0, v0, kd, vd, steps[j - 1 : j] - 1, chains)
-            if self.compiled:
+            if self.runtime.compiled:
                 mark_chains_dynamic(args)
             h, normed, kd, vd = step(*args, mask, step_weights(shared, collect), steps <= j)
             outs.append(normed)
@@ -230,7 +246,7 @@ class Eagle3Draft(nn.Module):
             return out, normed.new_zeros(B * T, normed.shape[-1]).index_copy(0, chains, normed).view(B, T, -1), kd, vd
 
         args = (flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains)
-        if self.recompute and torch.is_grad_enabled():
+        if self.runtime.recompute and torch.is_grad_enabled():
             return checkpoint(body, *args, use_reentrant=False)
         return body(*args)
 
@@ -268,7 +284,7 @@ class Eagle3Draft(nn.Module):
                 weights, (embeds, hidden, cos, sin, (k_buf, v_buf), block_mask), {"slot": slot, "valid": valid})
             return out, normed, k_buf, v_buf
 
-        if self.recompute and torch.is_grad_enabled():
+        if self.runtime.recompute and torch.is_grad_enabled():
             return checkpoint(body, embeds, hidden, cos, sin, k_buf, v_buf, slot, use_reentrant=False)
         return body(embeds, hidden, cos, sin, k_buf, v_buf, slot)
 
@@ -288,7 +304,7 @@ class Eagle3Draft(nn.Module):
         backward instead of kept."""
         cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
         layer = functools.partial(self.midlayer, past_kv=tuple(past), mask=self.step_mask(len(base), j, base.device))
-        if self.recompute and torch.is_grad_enabled():
+        if self.runtime.recompute and torch.is_grad_enabled():
             hidden, kv = checkpoint(layer, embeds, hidden, cos, sin, use_reentrant=False)
         else:
             hidden, kv = layer(embeds, hidden, cos, sin)

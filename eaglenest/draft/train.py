@@ -37,12 +37,12 @@ from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
 from .config import DraftConfig
 from .layers import FLEX_BLOCK
-from .model import Eagle3Draft
+from .model import Eagle3Draft, Runtime
 from .optim import MasterAdamW, clip_and_step
 from .ttt import token_embeds_ids, ttt_loss_plan
 from .vocab import load_vocab
 
-AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (set_runtime)
+AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (model.Runtime)
 FLEX_ONLY = ("split_step_grads", "diag_split")  # AUTO_KEYS that only the flex path has
 
 
@@ -88,14 +88,6 @@ def resolve_runtime(cfg, device):
         raise ValueError("train.skip_unscored: true needs diag_split (the later TTT steps' keys attended on the diagonal); "
                          "set diag_split to auto or true, or skip_unscored to auto or false")
     return out
-
-
-def set_runtime(model, cfg, world=1):
-    """The model's settings from a ``resolve_runtime`` config; ``split_step_grads`` only in a single
-    process (DDP's reducer watches the parameters' own gradients)."""
-    model.attention, model.compiled, model.recompute = cfg["attention"], cfg["compile"], cfg["recompute"]
-    model.fused_loss, model.diag_split, model.skip_unscored = cfg["fused_loss"], cfg["diag_split"], cfg["skip_unscored"]
-    model.split_step_grads = cfg["split_step_grads"] and world == 1
 
 
 def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27, rows=None,
@@ -255,8 +247,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     cfg = resolve_runtime(cfg, device)
     dcfg = draft_config(info, len(d2t), cfg)
     torch.manual_seed(cfg["seed"])
-    model = Eagle3Draft(dcfg)
-    set_runtime(model, cfg, world)
+    model = Eagle3Draft(dcfg, runtime=Runtime.from_config(cfg, world))
     init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
     # The target's embedding stays in host memory: the loader looks up each batch's rows there
     # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
@@ -312,7 +303,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
-           f"{cfg['bf16_weights']}, step grads split {model.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+           f"{cfg['bf16_weights']}, step grads split {model.runtime.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)
