@@ -20,26 +20,19 @@ import io
 import json
 import math
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import defaults
-from ..errors import EaglenestError
 from ..states.hidden import HiddenShards
 from ..states.target import load_target_head, resolve_device
-from ..util import atomic_path, progress_bar, save_safetensors, say, write_atomic
+from ..util import atomic_path, progress_bar, say, write_atomic
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
-from .config import DraftConfig
-from .layers import FLEX_BLOCK
 from .model import Eagle3Draft, Runtime
 from .optim import MasterAdamW, clip_and_step
-from .ttt import token_embeds_ids, ttt_loss_plan
 from .vocab import load_vocab
 
 AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (model.Runtime)
@@ -210,15 +203,10 @@ def _write_metrics(path, rows):
     write_atomic(path, buf.getvalue())
 
 
-def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
-                stream=None) -> dict:
-    """Train the draft; write ``out_path`` (safetensors: the draft's vLLM tensors, config in the
-    metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary.
-
-    ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
-    from the extraction server instead of shards."""
-    cfg = resolve_config(config)
-    t_start = time.time()
+def start_process(device):
+    """This process's place in a torchrun launch -> (world, rank, local_rank, device, own_group):
+    under WORLD_SIZE > 1 each rank takes its own GPU, and joins a process group (``own_group``: made
+    here, so destroyed here)."""
     world, rank, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(device)
     if device == "cuda" and world > 1:
@@ -227,10 +215,12 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     own_group = world > 1 and not dist.is_initialized()
     if own_group:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    on_gpu = device.startswith("cuda")
+    return world, rank, local_rank, device, own_group
 
-    head, info = load_target_head(head_path)
-    d2t, t2d = load_vocab(vocab_path)
+
+def open_states(hidden_paths, stream, info, t2d, vocab_path, head_path):
+    """The sequences to train on: the hidden shards, or (``stream``) the extraction server's states,
+    checked against the target's head and the vocabulary."""
     if stream is not None:
         from ..states.stream import open_stream
 
@@ -244,6 +234,147 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
             f"hidden shards (aux layers {shards.aux_layers}, hidden {shards.hidden_size}) do not match "
             f"{head_path} (aux layers {info['aux_layers']}, hidden {info['hidden_size']}): re-extract one or the other"
         )
+    return shards
+
+
+def target_head_rows(head, shards, draft_ids, info, device, rank):
+    """The target's lm_head on the device, as ``target_distribution`` takes it: the draft
+    vocabulary's rows [Vd, H], or the full head [V, H] for shards without ``target_next``."""
+    head_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if not shards.without_target_next:  # only the draft vocabulary's rows of the head: [Vd, H], contiguous
+        return head["lm_head.weight"][draft_ids.cpu()].to(device, head_dtype).contiguous()
+    # Shards from before target_next: the old path, the argmax over the full vocabulary each step
+    # (the full head on the device). Kept so that shards that cost GPU hours stay usable.
+    if rank == 0:
+        say(f"train_draft: {len(shards.without_target_next)} shard(s) have no target_next (written by an older "
+            f"eaglenest, e.g. {shards.without_target_next[0]}): the target's argmax is taken over its full "
+            f"vocabulary of {info['vocab_size']} each step, which is slower and keeps the whole lm_head "
+            "on the device; delete and re-extract the shards to train on the fast path")
+    return head["lm_head.weight"].to(device, head_dtype)
+
+
+def resume(state_dir, fingerprint, model, opt, device, total_steps):
+    """Load the newest resume point of this run in ``state_dir`` (same data and config) into
+    ``model`` and ``opt`` -> (step, metrics rows so far, the step resumed from or None)."""
+    for path in _state_files(state_dir):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["fingerprint"] != fingerprint:
+            say(f"train_draft: ignoring {path}, saved for other data or config")
+            continue
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if device.startswith("cuda") and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+        say(f"train_draft: resuming from {path} (step {state['step']} of {total_steps})")
+        return state["step"], state["metrics"], state["step"]
+    return 0, [], None
+
+
+def train_step(trainable, model, opt, params, loader, head, cfg, world, device, lr):
+    """One optimizer step over ``grad_accum`` micro-batches -> (epoch, the summed loss stats [J, 4]
+    on the device, all ranks', the gradient norm, this rank's tokens). ``head``: the target's
+    (lm_head rows, draft ids, t2d) on the device, as ``target_distribution`` takes them."""
+    on_gpu, accum, J = device.startswith("cuda"), cfg["grad_accum"], cfg["ttt_length"]
+    for g in opt.param_groups:
+        g["lr"] = lr
+    sums = torch.zeros(J, 4, device=device)
+    n_tok = 0
+    for a in range(accum):
+        epoch, tokens, batch = loader.next()
+        targets = target_distribution(batch["last_hidden"], batch["loss_mask"], *head, rows=batch["rows"],
+                                      target_next=batch.get("target_next"))
+        if "plan" in batch:
+            targets["plan"] = batch["plan"]
+        aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(model.fc.weight.dtype)  # no autocast on CPU
+        sync = world == 1 or a == accum - 1
+        with trainable.no_sync() if not sync else contextlib.nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+                loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
+                                     chunk=cfg["loss_chunk"], embeds=batch["embeds"])
+            # backward outside autocast: its cache of bf16 weight copies is gone by then
+            (loss / accum).backward()
+        sums += st.detach()
+        n_tok += tokens
+    if world > 1:
+        dist.all_reduce(sums)
+    grad_norm = clip_and_step(opt, params, cfg["clip"])
+    opt.zero_grad(set_to_none=True)
+    return epoch, sums, grad_norm, n_tok
+
+
+class Metrics:
+    """The metrics rows, one per optimizer step. Each step's figures stay on the device until
+    ``flush`` reads the steps pending together (every log_every steps: one device sync, not one a
+    step)."""
+
+    def __init__(self, rows, cfg, device, bar):
+        self.rows, self.cfg, self.device, self.bar = rows, cfg, device, bar
+        self.pending = []
+        self.tokens = 0  # tokens trained by this invocation (not the resumed steps)
+        self.t_window, self.last_event = time.time(), None
+
+    def add(self, step, epoch, lr, sums, grad_norm, tokens):
+        event = None
+        if self.device.startswith("cuda"):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.pending.append({"step": step, "epoch": epoch, "lr": lr, "sums": sums, "grad_norm": grad_norm.detach(),
+                             "tokens": tokens, "event": event})
+
+    def flush(self):
+        if not self.pending:
+            return
+        pending, J = self.pending, self.cfg["ttt_length"]
+        values = torch.stack([torch.cat([p["sums"].flatten(), p["grad_norm"].reshape(1).float()]) for p in pending]).cpu()
+        seconds = time.time() - self.t_window
+        window_tokens = sum(p["tokens"] for p in pending)
+        peak = None
+        if self.device.startswith("cuda"):
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for p, v in zip(pending, values):
+            s, grad_norm = v[:-1].view(J, 4), float(v[-1])
+            ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
+            acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
+            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(self.cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
+            row.update({f"loss_{j}": ce[j] for j in range(J)})
+            row.update({f"acc_{j}": acc[j] for j in range(J)})
+            # tokens/s: on CUDA from events recorded at the end of each step on the compute stream
+            # (the time between two step ends, idle gaps included); else over the window of steps
+            # read together (the host does not wait on each step)
+            rate = window_tokens / max(seconds, 1e-9)
+            if p.get("event") is not None and self.last_event is not None:
+                rate = p["tokens"] / max(self.last_event.elapsed_time(p["event"]) / 1e3, 1e-9)
+            self.last_event = p.get("event")
+            row.update({"grad_norm": grad_norm, "tokens": p["tokens"], "tokens_per_s": rate})
+            if peak is not None:
+                row["peak_gib"] = round(peak, 3)  # the most allocated since the previous read
+            self.rows.append(row)
+            self.tokens += p["tokens"]
+        self.bar.update(len(pending))
+        last = self.rows[-1]
+        self.bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc_0']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        pending.clear()
+        self.t_window = time.time()
+
+
+def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
+                stream=None) -> dict:
+    """Train the draft; write ``out_path`` (safetensors: the draft's vLLM tensors, config in the
+    metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary.
+
+    ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
+    from the extraction server instead of shards."""
+    cfg = resolve_config(config)
+    t_start = time.time()
+    world, rank, local_rank, device, own_group = start_process(device)
+    on_gpu = device.startswith("cuda")
+
+    # the target's head and vocabulary, the states, the model and its optimizer
+    head, info = load_target_head(head_path)
+    d2t, t2d = load_vocab(vocab_path)
+    shards = open_states(hidden_paths, stream, info, t2d, vocab_path, head_path)
     cfg = resolve_runtime(cfg, device)
     dcfg = draft_config(info, len(d2t), cfg)
     torch.manual_seed(cfg["seed"])
@@ -256,19 +387,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     if cfg["freeze_lm_head"]:
         model.lm_head.weight.requires_grad_(False)
     model.to(device)
-    draft_ids, t2d_dev = model.draft_ids(), model.t2d
-    head_dtype = torch.bfloat16 if on_gpu else torch.float32
-    if shards.without_target_next:
-        # Shards from before target_next: the old path, the argmax over the full vocabulary each step
-        # (the full head on the device). Kept so that shards that cost GPU hours stay usable.
-        lm_head_target = head["lm_head.weight"].to(device, head_dtype)
-        if rank == 0:
-            say(f"train_draft: {len(shards.without_target_next)} shard(s) have no target_next (written by an older "
-                f"eaglenest, e.g. {shards.without_target_next[0]}): the target's argmax is taken over its full "
-                f"vocabulary of {info['vocab_size']} each step, which is slower and keeps the whole lm_head "
-                "on the device; delete and re-extract the shards to train on the fast path")
-    else:  # only the draft vocabulary's rows of the head: [Vd, H], contiguous
-        lm_head_target = head["lm_head.weight"][draft_ids.cpu()].to(device, head_dtype).contiguous()
+    draft_ids = model.draft_ids()
+    target = (target_head_rows(head, shards, draft_ids, info, device, rank), draft_ids, model.t2d)
     del head
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(model, cfg, on_gpu)
@@ -279,27 +399,14 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
         trainable = ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
 
+    # where this run stands: its steps, and the resume point it left if it was killed
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = count_steps(lengths, cfg, world)
     accum, J = cfg["grad_accum"], cfg["ttt_length"]
     fingerprint = _fingerprint(cfg, shards, vocab_path, head_path, world)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-
-    step, rows, resumed_from = 0, [], None
-    for path in _state_files(state_dir):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["fingerprint"] != fingerprint:
-            say(f"train_draft: ignoring {path}, saved for other data or config")
-            continue
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        if on_gpu and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], device)
-        step, rows, resumed_from = state["step"], state["metrics"], state["step"]
-        say(f"train_draft: resuming from {path} (step {step} of {total_steps})")
-        break
+    step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
@@ -313,82 +420,18 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world,
                          device=device, ttt_length=J, embed_table=embed_table)
 
-    n_tokens_total = 0  # tokens trained by this invocation (not the resumed steps)
-    pending = []  # steps whose metrics are still on the device: read every log_every steps
+    # the loop
     bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
-
-    def flush():
-        nonlocal n_tokens_total, t_window, last_event
-        if not pending:
-            return
-        values = torch.stack([torch.cat([p["sums"].flatten(), p["grad_norm"].reshape(1).float()]) for p in pending]).cpu()
-        seconds = time.time() - t_window
-        window_tokens = sum(p["tokens"] for p in pending)
-        peak = None
-        if on_gpu:
-            peak = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
-        for p, v in zip(pending, values):
-            s, grad_norm = v[:-1].view(J, 4), float(v[-1])
-            ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
-            acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
-            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
-            row.update({f"loss_{j}": ce[j] for j in range(J)})
-            row.update({f"acc_{j}": acc[j] for j in range(J)})
-            # tokens/s: on CUDA from events recorded at the end of each step on the compute stream
-            # (the time between two step ends, idle gaps included); else over the window of steps
-            # read together (the host does not wait on each step)
-            rate = window_tokens / max(seconds, 1e-9)
-            if p.get("event") is not None and last_event is not None:
-                rate = p["tokens"] / max(last_event.elapsed_time(p["event"]) / 1e3, 1e-9)
-            last_event = p.get("event")
-            row.update({"grad_norm": grad_norm, "tokens": p["tokens"], "tokens_per_s": rate})
-            if peak is not None:
-                row["peak_gib"] = round(peak, 3)  # the most allocated since the previous read
-            rows.append(row)
-            n_tokens_total += p["tokens"]
-        bar.update(len(pending))
-        bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", acc0=f"{rows[-1]['acc_0']:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
-        pending.clear()
-        t_window = time.time()
-
-    t_window, last_event = time.time(), None
+    metrics = Metrics(rows, cfg, device, bar)
     try:
         while step < total_steps:
             lr = lr_at(step, cfg, total_steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            sums = torch.zeros(J, 4, device=device)
-            n_tok = 0
-            for a in range(accum):
-                epoch, tokens, batch = loader.next()
-                targets = target_distribution(batch["last_hidden"], batch["loss_mask"], lm_head_target, draft_ids, t2d_dev,
-                                              rows=batch["rows"], target_next=batch.get("target_next"))
-                if "plan" in batch:
-                    targets["plan"] = batch["plan"]
-                aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(model.fc.weight.dtype)  # no autocast on CPU
-                sync = world == 1 or a == accum - 1
-                with trainable.no_sync() if not sync else contextlib.nullcontext():
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                        loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
-                                             chunk=cfg["loss_chunk"], embeds=batch["embeds"])
-                    # backward outside autocast: its cache of bf16 weight copies is gone by then
-                    (loss / accum).backward()
-                sums += st.detach()
-                n_tok += tokens
-            if world > 1:
-                dist.all_reduce(sums)
-            grad_norm = clip_and_step(opt, params, cfg["clip"])
-            opt.zero_grad(set_to_none=True)
+            epoch, sums, grad_norm, tokens = train_step(trainable, model, opt, params, loader, target, cfg, world, device, lr)
             step += 1
-            event = None
-            if on_gpu:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-            pending.append({"step": step, "epoch": epoch, "lr": lr, "sums": sums, "grad_norm": grad_norm.detach(), "tokens": n_tok, "event": event})
+            metrics.add(step, epoch, lr, sums, grad_norm, tokens)
             save = rank == 0 and step % cfg["save_every"] == 0 and step < total_steps
             if save or step % cfg["log_every"] == 0 or step == total_steps:
-                flush()
+                metrics.flush()
             if save:
                 state = {
                     "fingerprint": fingerprint,
@@ -402,19 +445,20 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
                 _save_state(state_dir, step, state, cfg["keep_states"])
     finally:
         loader.close()
-    flush()
+    metrics.flush()
     if stream is not None:
         say(shards.summary())
     bar.close()
 
+    # the outputs
     seconds = time.time() - t_start
     last = rows[-1]
     stats = {
         "steps": step,
         "resumed_from": resumed_from,
-        "tokens": n_tokens_total,
+        "tokens": metrics.tokens,
         "seconds": round(seconds, 2),
-        "tokens_per_s": round(n_tokens_total / seconds, 1),
+        "tokens_per_s": round(metrics.tokens / seconds, 1),
         "parameters": sum(p.numel() for p in model.parameters()),
         "loss": last["loss"],
         "acc": [last[f"acc_{j}"] for j in range(J)],
@@ -434,7 +478,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         dist.destroy_process_group()
     if rank == 0:
         say(
-            f"train_draft: {step} steps, {n_tokens_total} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
+            f"train_draft: {step} steps, {metrics.tokens} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
             f"loss {last['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}"
         )
     return stats
