@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -32,9 +31,11 @@ from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT,
                               auth_hint, describe_client_error, open_session, run_workers)
 from ..serving.probe import describe_os_error, probe
 from ..serving.vllm import reasoning_of
-from ..util import open_locked, progress_bar, say, write_atomic
+from ..util import progress_bar, say, write_atomic
+from .trace_file import PartialFile, json_line
+from .trace_stats import TraceStats, stem, summary, write_stats_table
 
-__all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
+__all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint", "write_stats_table"]
 
 # The `generation:` section of the config; its keys and defaults are the schema's (the only place).
 GENERATION_DEFAULTS = defaults("generation")
@@ -78,7 +79,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise TracesError(f"{output_path}: no server URL given; pass at least one base URL")
-    shard = _stem(output_path)
+    shard = stem(output_path)
     fp = fingerprint(model, gen)
     partial_dir = Path(partial_dir) if partial_dir is not None else output_path.parent / "partial"
     run = _ShardRun(
@@ -205,25 +206,21 @@ class _ShardRun:
         body.pop("messages", None)
         self.body_head = b'{"messages":'
         self.body_tail = b"," + json.dumps(body, separators=(",", ":")).encode()[1:]
-        self.index = {}          # id -> (offset, length) of its line in the partial file
+        self.partial = PartialFile(partial_path, shard)  # the finished records
+        self.index = self.partial.index  # id -> (offset, length) of its line in the partial file
         self.errors = []         # this run's failed requests: {id, status, body, server, attempts}
-        self.latencies = []      # this run's answers
-        self.totals = dict(prompt_tokens=0, completion_tokens=0, reasoning_tokens=0, truncated=0,
-                           no_reasoning=0, empty_content=0)
-        self.reasoning_reported = False
-        self.completed = self.resumed = self.retries = 0
-        self.new_completion_tokens = 0
+        self.stats = TraceStats()
         self.stopping = False    # no new requests (error budget spent); in-flight ones finish
         self.first_success = False
         self.pbar = None
         self.next_postfix = 0.0
-        self.partial = None
 
     # -- the run ----------------------------------------------------------------------------
 
     async def main(self):
         t0 = time.monotonic()
-        self._open_partial()
+        self.partial.open({p["id"] for p in self.prompts}, self.stats.count)
+        self.stats.resumed = len(self.index)
         failure = None
         try:
             todo = [p for p in self.prompts if p["id"] not in self.index]
@@ -233,7 +230,7 @@ class _ShardRun:
             if self.pbar is not None:
                 self._postfix(time.monotonic())
                 self.pbar.close()
-            self.partial.close()  # flushed per record already; closing releases the lock
+            self.partial.close()
         wall = time.monotonic() - t0
         if failure is None and len(self.errors) > self.max_errors:
             first = self.errors[0]
@@ -242,14 +239,16 @@ class _ShardRun:
                        f"(more than {self.max_error_fraction:.0%}); first: {what} from {first['server']}: "
                        f"{first['body'][:300]}; all of them are in {self.errors_path}; "
                        f"finished records are kept in {self.partial_path}; fix the cause and rerun")
-        stats = self._stats(wall, complete=failure is None)
-        write_atomic(self.errors_path, b"".join(_json_line(e) for e in self.errors))
+        stats = self.stats.as_dict(shard=self.shard, requests=len(self.prompts), records=len(self.index),
+                                   errors=len(self.errors), wall=wall, complete=failure is None, servers=self.servers,
+                                   model=self.model, fingerprint=self.fingerprint)
+        write_atomic(self.errors_path, b"".join(json_line(e) for e in self.errors))
         write_atomic(self.stats_path, stats)
-        say(self._summary(stats))
+        say(summary(self.shard, stats))
         if failure is not None:
             raise TracesError(failure)
-        self._write_output()
-        self._link_partial_to_output()
+        self.partial.write_output(self.prompts, self.output_path)
+        self.partial.link_to(self.output_path)
         return stats
 
     async def _send_all(self, todo):
@@ -350,7 +349,7 @@ class _ShardRun:
                     raise TracesError(self._servers_down_message())
                 self._fail(prompt, status, f"gave up after {attempt} attempts; last: {failure}", server, attempt)
                 return
-            self.retries += 1
+            self.stats.retries += 1
             await asyncio.sleep(self._backoff(attempt, retry_after))
 
     def _pick_server(self):
@@ -415,17 +414,11 @@ class _ShardRun:
             "server": server.url,
             "attempts": attempt,
         }
-        line = _json_line(record)
-        self.partial.write(line)
-        self.partial.flush()
-        self.index[prompt["id"]] = (self.partial_end, len(line))
-        self.partial_end += len(line)
+        self.partial.append(record)
         server.answered += 1
         self.first_success = True
-        self.completed += 1
-        self.latencies.append(latency)
-        self.new_completion_tokens += len(completion_ids)
-        self._count(record)
+        self.stats.answered(latency, len(completion_ids))
+        self.stats.count(record)
         if self.pbar is not None:
             self.pbar.update(1)
             now = time.monotonic()
@@ -435,8 +428,8 @@ class _ShardRun:
     def _postfix(self, now):
         if not self.pbar.disable:
             self.next_postfix = now + 1.0
-            rate = self.new_completion_tokens / max(now - self.t_send, 1e-9)
-            self.pbar.set_postfix_str(f"{rate:,.0f} tok/s, {len(self.errors)} errors, {self.retries} retries",
+            rate = self.stats.new_completion_tokens / max(now - self.t_send, 1e-9)
+            self.pbar.set_postfix_str(f"{rate:,.0f} tok/s, {len(self.errors)} errors, {self.stats.retries} retries",
                                       refresh=False)
 
     def _fail(self, prompt, status, body, server, attempts):
@@ -445,18 +438,6 @@ class _ShardRun:
         if len(self.errors) > self.max_errors:
             self.stopping = True  # the shard has failed: let in-flight requests finish, send no more
 
-    def _count(self, record):
-        t = self.totals
-        t["prompt_tokens"] += len(record.get("prompt_token_ids") or ())
-        t["completion_tokens"] += len(record.get("completion_token_ids") or ())
-        details = (record.get("usage") or {}).get("completion_tokens_details") or {}
-        if details.get("reasoning_tokens") is not None:
-            self.reasoning_reported = True
-            t["reasoning_tokens"] += details["reasoning_tokens"]
-        t["truncated"] += bool(record.get("truncated"))
-        t["no_reasoning"] += not record.get("reasoning")
-        t["empty_content"] += not record.get("content")
-
     def _servers_down_message(self):
         down = [s for s in self.servers if s.down_since is not None]
         where = "server at " + down[0].url if len(down) == 1 else "servers at " + ", ".join(s.url for s in down)
@@ -464,110 +445,9 @@ class _ShardRun:
         why = down[0].last_failure
         kept = f"finished records are kept in {self.partial_path}" if self.index else "nothing was finished"
         if self.first_success:
-            return (f"{self.shard}: {where} stopped answering ({why}) after {self.completed} finished records; "
+            return (f"{self.shard}: {where} stopped answering ({why}) after {self.stats.completed} finished records; "
                     f"{kept}; restart the server and rerun")
         return f"{self.shard}: {where} {are} not answering ({why}); {kept}; start the server (or fix the URL) and rerun"
-
-    # -- files ------------------------------------------------------------------------------
-
-    def _open_partial(self):
-        """Open (and lock) the partial file, drop a torn last line, index the finished records."""
-        self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_locked(self.partial_path, TracesError(
-            f"{self.shard}: another process is writing {self.partial_path}; "
-            "wait for it to finish (or stop it) before rerunning this shard"))
-        f = os.fdopen(fd, "r+b")
-        wanted = {p["id"] for p in self.prompts}
-        offset = bad = 0
-        for line in f:
-            if not line.endswith(b"\n"):
-                break  # torn by a crash mid-write: dropped below
-            try:
-                record = json.loads(line)
-                rid = record["id"]
-            except (ValueError, KeyError, TypeError):
-                bad += 1  # a complete but unreadable line: its prompt is sent again
-            else:
-                if rid in wanted and rid not in self.index:
-                    self.index[rid] = (offset, len(line))
-                    self._count(record)
-            offset += len(line)
-        f.truncate(offset)
-        f.seek(offset)
-        self.partial_end = offset
-        self.partial = f
-        self.resumed = len(self.index)
-        if bad:
-            say(f"{self.shard}: skipped {bad} unreadable lines in {self.partial_path}; "
-                "their prompts are sent again")
-
-    def _write_output(self):
-        """Copy the finished records into the output, in prompt order, atomically."""
-        out = self.output_path
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-        with open(self.partial_path, "rb") as src, open(tmp, "wb") as dst:
-            fd = src.fileno()
-            for p in self.prompts:
-                where = self.index.get(p["id"])
-                if where is not None:
-                    dst.write(os.pread(fd, where[1], where[0]))
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-
-    def _link_partial_to_output(self):
-        """Keep the finished shard resumable without a second copy on disk."""
-        link = self.partial_path.with_name(self.partial_path.name + ".link")
-        try:
-            link.unlink(missing_ok=True)
-            os.link(self.output_path, link)
-            os.replace(link, self.partial_path)
-        except OSError:
-            pass  # another filesystem: the partial file itself holds the same records
-
-    # -- reporting --------------------------------------------------------------------------
-
-    def _stats(self, wall, complete):
-        lat = sorted(self.latencies)
-        t = self.totals
-        return {
-            "shard": self.shard,
-            "complete": complete,
-            "requests": len(self.prompts),
-            "completed": self.completed,
-            "resumed": self.resumed,
-            "errors": len(self.errors),
-            "retries": self.retries,
-            # over every record of the shard (resumed ones included)
-            "records": len(self.index),
-            "prompt_tokens": t["prompt_tokens"],
-            "completion_tokens": t["completion_tokens"],
-            "reasoning_tokens": t["reasoning_tokens"] if self.reasoning_reported else None,
-            "truncated": t["truncated"],
-            "no_reasoning": t["no_reasoning"],
-            "empty_content": t["empty_content"],
-            # this run only
-            "latency_mean_s": round(sum(lat) / len(lat), 4) if lat else None,
-            "latency_p50_s": round(_percentile(lat, 0.50), 4) if lat else None,
-            "latency_p95_s": round(_percentile(lat, 0.95), 4) if lat else None,
-            "wall_s": round(wall, 3),
-            "requests_per_s": round(self.completed / wall, 3) if wall > 0 else None,
-            "completion_tokens_per_s": round(self.new_completion_tokens / wall, 1) if wall > 0 else None,
-            "generated_tokens": self.new_completion_tokens,
-            "urls": [s.url for s in self.servers],
-            "answered_per_url": {s.url: s.answered for s in self.servers},
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-        }
-
-    def _summary(self, s):
-        resumed = f", {s['resumed']} resumed" if s["resumed"] else ""
-        return (f"{self.shard}: {s['completed']} answers ({s['truncated']} truncated, {s['errors']} errors, "
-                f"{s['retries']} retries{resumed}), {s['generated_tokens']} tokens in {s['wall_s']:.1f} s "
-                f"({s['requests_per_s'] or 0:.1f} req/s, {s['completion_tokens_per_s'] or 0:.0f} tok/s)")
-
 
 # ---------------------------------------------------------------------------------------------
 
@@ -636,37 +516,5 @@ def _not_served(url, models, model):
             "set the model to the served name (vLLM's --served-model-name)")
 
 
-def _stem(path):
-    name = path.name
-    return name[: -len(".jsonl")] if name.endswith(".jsonl") else path.stem
-
-
 def _sibling(output_path, suffix):
-    return output_path.with_name(_stem(output_path) + suffix)
-
-
-def _json_line(obj):
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _percentile(sorted_values, q):
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def write_stats_table(stats_paths, out_csv) -> "pandas.DataFrame":
-    """The per-shard trace statistics (``traces/shard_{i}.stats.json``) as one table, a row per shard
-    and a column per figure (nested ones flattened as ``a.b``), written as CSV for notebooks."""
-    import pandas as pd
-
-    rows = [{"shard": _stem(Path(p)).removesuffix(".stats"), **json.loads(Path(p).read_text())} for p in stats_paths]
-    table = pd.json_normalize(rows)
-    write_atomic(out_csv, table.to_csv(index=False))
-    return table
+    return output_path.with_name(stem(output_path) + suffix)
