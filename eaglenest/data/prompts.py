@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import defaults
-from ..errors import PromptsError, RowError
+from ..errors import PromptsError, RowError, TracesError
 from ..util import progress_bar, say, write_atomic
 
 # Drop reasons, in the order the summary lists them.
@@ -448,3 +448,29 @@ def _datasets_progress(progress: bool):
     finally:
         if silence:
             datasets.enable_progress_bars()
+
+
+def read_prompt_shard(path):
+    """The prompts of a shard ``prepare_prompts`` wrote, in order, first occurrence of each id."""
+    prompts, seen = [], set()
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TracesError(f"cannot read prompt shard {path}: {e.strerror}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                p = json.loads(line)
+                ok = isinstance(p, dict) and isinstance(p.get("id"), str) and isinstance(p.get("messages"), list) \
+                    and all(isinstance(m, dict) and "role" in m and "content" in m for m in p["messages"])
+            except ValueError:
+                ok = False
+            if not ok:
+                raise TracesError(f"{path}:{n}: not a prompt record (want JSON with 'id' and 'messages' "
+                                  "[{role, content}, ...]); regenerate the prompt shards")
+            if p["id"] not in seen:
+                seen.add(p["id"])
+                prompts.append(p)
+    return prompts

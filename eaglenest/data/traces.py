@@ -32,6 +32,7 @@ from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT,
 from ..serving.probe import describe_os_error, probe
 from ..serving.vllm import reasoning_of
 from ..util import progress_bar, say, write_atomic
+from .prompts import read_prompt_shard
 from .trace_file import PartialFile, json_line
 from .trace_stats import TraceStats, stem, summary, write_stats_table
 
@@ -43,8 +44,6 @@ GENERATION_DEFAULTS = defaults("generation")
 # one of them reruns the traces (rules/common.smk reads this list too).
 ANSWER_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
 ERROR_BODY_CHARS = 2000
-
-
 
 
 def fingerprint(model, generation=None):
@@ -84,7 +83,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     partial_dir = Path(partial_dir) if partial_dir is not None else output_path.parent / "partial"
     run = _ShardRun(
         shard=shard,
-        prompts=_read_prompts(prompts_path),
+        prompts=read_prompt_shard(prompts_path),
         output_path=output_path,
         partial_path=partial_dir / f"{shard}.{fp}.partial.jsonl",
         errors_path=Path(errors_path) if errors_path is not None else _sibling(output_path, ".errors.jsonl"),
@@ -473,32 +472,6 @@ def _generation_settings(generation):
         if g[key] is not None and not isinstance(g[key], dict):
             raise TracesError(f"generation.{key} must be a mapping, got {g[key]!r}")
     return g
-
-
-def _read_prompts(path):
-    """The shard's prompts, in order, first occurrence of each id."""
-    prompts, seen = [], set()
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise TracesError(f"cannot read prompt shard {path}: {e.strerror}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                p = json.loads(line)
-                ok = isinstance(p, dict) and isinstance(p.get("id"), str) and isinstance(p.get("messages"), list) \
-                    and all(isinstance(m, dict) and "role" in m and "content" in m for m in p["messages"])
-            except ValueError:
-                ok = False
-            if not ok:
-                raise TracesError(f"{path}:{n}: not a prompt record (want JSON with 'id' and 'messages' "
-                                  "[{role, content}, ...]); regenerate the prompt shards")
-            if p["id"] not in seen:
-                seen.add(p["id"])
-                prompts.append(p)
-    return prompts
 
 
 def _base_url(url):
