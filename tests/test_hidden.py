@@ -199,3 +199,14 @@ def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, m
 def _saved_head(target, path):
     save_target_head(target, path, aux_layers=[0, 1, 3])
     return path
+
+
+def test_both_state_sources_meet_the_protocol():
+    """Training reads shards and streamed states through source.StateSource only."""
+    from eaglenest.states.source import StateSource
+    from eaglenest.states.stream import StreamedStates
+
+    methods = [n for n, v in vars(StateSource).items() if callable(v) and (not n.startswith("_") or n in ("__len__", "__getitem__"))]
+    assert {"length", "fingerprint_facts", "follow", "close", "__len__", "__getitem__"} <= set(methods)
+    for cls in (HiddenShards, StreamedStates):
+        assert all(callable(getattr(cls, n, None)) for n in methods), cls

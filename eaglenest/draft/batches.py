@@ -9,6 +9,7 @@ import threading
 import torch
 
 from ..errors import EaglenestError
+from ..states.source import StateSource
 from .layers import FLEX_BLOCK
 from .ttt import token_embeds_ids, ttt_loss_plan
 
@@ -128,7 +129,7 @@ class BatchLoader:
     only two batches are on the device at once.
     """
 
-    def __init__(self, shards, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
+    def __init__(self, shards: StateSource, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
         self.shards, self.lengths, self.cfg, self.embed_table = shards, lengths, cfg, embed_table
         self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
         self.device = torch.device(device)
@@ -136,8 +137,8 @@ class BatchLoader:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.staged = None  # the next batch, its copy to the device under way
         self.stream = micro_batch_stream(lengths, cfg, start=start)
-        if hasattr(shards, "follow"):  # streamed states: fetched in the order this rank reads them
-            shards.follow(self._order(lengths, cfg, start, count, rank, world))
+        # streamed states are fetched in the order this rank reads them (the generator runs only then)
+        shards.follow(self._order(lengths, cfg, start, count, rank, world))
         self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train_draft-loader", daemon=True)
@@ -232,8 +233,7 @@ class BatchLoader:
 
     def close(self):
         self.stopping.set()
-        if hasattr(self.shards, "follow"):
-            self.shards.close()
+        self.shards.close()
         while self.thread.is_alive():
             try:
                 self.queue.get(timeout=0.1)

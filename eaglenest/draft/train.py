@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..states.hidden import HiddenShards
+from ..states.source import StateSource
 from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say, write_atomic
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
@@ -172,10 +173,7 @@ def _fingerprint(cfg, shards, vocab_path, head_path, world):
     facts = {
         "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states")},
         "micro_batches_per_step": cfg["grad_accum"] * world,
-        # Size and modification time, as make and Snakemake judge files: rewritten shards (even of the
-        # same size) are other data. Hashing their content would read hundreds of GB at real scale.
-        "shards": shards.fingerprint_facts() if hasattr(shards, "fingerprint_facts") else
-                  [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in shards.paths],
+        "shards": shards.fingerprint_facts(),
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
         "head": (Path(head_path).stat().st_size, Path(head_path).stat().st_mtime_ns),
     }
@@ -218,7 +216,7 @@ def start_process(device):
     return world, rank, local_rank, device, own_group
 
 
-def open_states(hidden_paths, stream, info, t2d, vocab_path, head_path):
+def open_states(hidden_paths, stream, info, t2d, vocab_path, head_path) -> StateSource:
     """The sequences to train on: the hidden shards, or (``stream``) the extraction server's states,
     checked against the target's head and the vocabulary."""
     if stream is not None:

@@ -392,7 +392,8 @@ def extract_hidden(
 
 
 class HiddenShards:
-    """Memory-mapped read access to one or more shards: ``len()`` sequences, ``[k]`` -> dict of rows.
+    """Memory-mapped read access to one or more shards: ``len()`` sequences, ``[k]`` -> dict of rows
+    (a ``source.StateSource``).
 
     The rows hold ``target_next`` only when every shard has it (``without_target_next`` lists the
     shards written before it existed)."""
@@ -437,3 +438,14 @@ class HiddenShards:
         """The tensors each row holds."""
         return ("input_ids", "loss_mask", "aux_hidden", "last_hidden") + (
             () if self.without_target_next else ("target_next",))
+
+    def fingerprint_facts(self):
+        # Size and modification time, as make and Snakemake judge files: rewritten shards (even of the
+        # same size) are other data. Hashing their content would read hundreds of GB at real scale.
+        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.paths]
+
+    def follow(self, order):
+        """Nothing to fetch ahead: the shards are memory-mapped (``order`` is not consumed)."""
+
+    def close(self):
+        """Nothing to stop: the memory maps close with the object."""

@@ -82,7 +82,7 @@ class StreamedStates:
         self.thread = None
         self.t_wait = 0.0  # seconds the reader waited for states
 
-    # -- what HiddenShards offers
+    # -- what HiddenShards offers (source.StateSource)
 
     def __len__(self):
         return len(self.seqs)
