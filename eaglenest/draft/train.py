@@ -13,10 +13,8 @@ the ranks in turn, gradients are averaged by DDP and rank 0 writes.
 """
 
 import contextlib
-import csv
 import hashlib
 import inspect
-import io
 import json
 import math
 import os
@@ -29,9 +27,10 @@ import torch.distributed as dist
 from ..states.hidden import HiddenShards
 from ..states.source import StateSource
 from ..states.target import load_target_head, resolve_device
-from ..util import atomic_path, progress_bar, say, write_atomic
+from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .metrics import Metrics, write_metrics
 from .model import Eagle3Draft, Runtime
 from .optim import MasterAdamW, clip_and_step
 from .vocab import load_vocab
@@ -192,15 +191,6 @@ def _save_state(state_dir, step, state, keep):
         old.unlink(missing_ok=True)
 
 
-def _write_metrics(path, rows):
-    buf = io.StringIO()
-    fields = list(dict.fromkeys(k for r in rows for k in r))  # a resumed run may add columns
-    writer = csv.DictWriter(buf, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, buf.getvalue())
-
-
 def start_process(device):
     """This process's place in a torchrun launch -> (world, rank, local_rank, device, own_group):
     under WORLD_SIZE > 1 each rank takes its own GPU, and joins a process group (``own_group``: made
@@ -299,62 +289,6 @@ def train_step(trainable, model, opt, params, loader, head, cfg, world, device, 
     grad_norm = clip_and_step(opt, params, cfg["clip"])
     opt.zero_grad(set_to_none=True)
     return epoch, sums, grad_norm, n_tok
-
-
-class Metrics:
-    """The metrics rows, one per optimizer step. Each step's figures stay on the device until
-    ``flush`` reads the steps pending together (every log_every steps: one device sync, not one a
-    step)."""
-
-    def __init__(self, rows, cfg, device, bar):
-        self.rows, self.cfg, self.device, self.bar = rows, cfg, device, bar
-        self.pending = []
-        self.tokens = 0  # tokens trained by this invocation (not the resumed steps)
-        self.t_window, self.last_event = time.time(), None
-
-    def add(self, step, epoch, lr, sums, grad_norm, tokens):
-        event = None
-        if self.device.startswith("cuda"):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        self.pending.append({"step": step, "epoch": epoch, "lr": lr, "sums": sums, "grad_norm": grad_norm.detach(),
-                             "tokens": tokens, "event": event})
-
-    def flush(self):
-        if not self.pending:
-            return
-        pending, J = self.pending, self.cfg["ttt_length"]
-        values = torch.stack([torch.cat([p["sums"].flatten(), p["grad_norm"].reshape(1).float()]) for p in pending]).cpu()
-        seconds = time.time() - self.t_window
-        window_tokens = sum(p["tokens"] for p in pending)
-        peak = None
-        if self.device.startswith("cuda"):
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-            torch.cuda.reset_peak_memory_stats(self.device)
-        for p, v in zip(pending, values):
-            s, grad_norm = v[:-1].view(J, 4), float(v[-1])
-            ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
-            acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
-            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(self.cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
-            row.update({f"loss_{j}": ce[j] for j in range(J)})
-            row.update({f"acc_{j}": acc[j] for j in range(J)})
-            # tokens/s: on CUDA from events recorded at the end of each step on the compute stream
-            # (the time between two step ends, idle gaps included); else over the window of steps
-            # read together (the host does not wait on each step)
-            rate = window_tokens / max(seconds, 1e-9)
-            if p.get("event") is not None and self.last_event is not None:
-                rate = p["tokens"] / max(self.last_event.elapsed_time(p["event"]) / 1e3, 1e-9)
-            self.last_event = p.get("event")
-            row.update({"grad_norm": grad_norm, "tokens": p["tokens"], "tokens_per_s": rate})
-            if peak is not None:
-                row["peak_gib"] = round(peak, 3)  # the most allocated since the previous read
-            self.rows.append(row)
-            self.tokens += p["tokens"]
-        self.bar.update(len(pending))
-        last = self.rows[-1]
-        self.bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc_0']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        pending.clear()
-        self.t_window = time.time()
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
@@ -468,7 +402,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
         save_checkpoint(out_path, tensors, dcfg, info, {**stats, "config": cfg})
-        _write_metrics(metrics_path, rows)
+        write_metrics(metrics_path, rows)
         for path in _state_files(state_dir):  # the run is complete: its resume points are not
             path.unlink(missing_ok=True)
     if own_group:
