@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from eaglenest import report
-from eaglenest.report import (bar_chart, build_report, export_differences, findings, line_chart, nice_ticks,
+from eaglenest.plots import bar_chart, line_chart, nice_ticks
+from eaglenest.report import (build_report, export_differences, findings,
                               read_train_metrics, render_html, train_summary, write_report)
 from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline of a tiny random target)
 
@@ -107,7 +108,7 @@ def test_plots_handle_degenerate_data():
 
 
 def test_log_ticks_are_round():
-    from eaglenest.report import log_ticks
+    from eaglenest.plots import log_ticks
 
     ticks = [round(10**t, 6) for t in log_ticks(math.log10(0.3), math.log10(25))]
     assert ticks == [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
