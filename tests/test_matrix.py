@@ -1,5 +1,6 @@
 """The matrix of validation: the losslessness bound on synthetic scores, the cells as a DataFrame and
 CSV that agree with the JSON, and the findings over the cells. Fast: no vLLM."""
+import json
 import random
 
 import pandas as pd
@@ -7,6 +8,7 @@ import pytest
 
 from eaglenest.lossless import score_check
 from eaglenest.matrix import build_matrix, cells_frame, matrix_findings, matrix_html, matrix_markdown, write_csv
+from eaglenest.report import write_report
 
 
 def _scores(mean, sd, n, seed):
@@ -89,6 +91,18 @@ def test_findings_name_the_engine_and_the_weak_cells():
     assert kinds.count("matrix_ngram") == 1 and kinds.count("matrix_drop") == 1
     assert all("new_forms at T=0" in f["message"] for f in found if f["kind"].startswith("matrix_"))
     page = matrix_html(matrix)
-    assert "not lossless (engine)" in page and "<svg" in page and "offline (T=0)" in page
+    assert "engine not lossless" in page and "<svg" in page and "offline (T=0)" in page
     card = "\n".join(matrix_markdown(matrix))
-    assert "| heldout | 4 | 3.50 (n-gram 1.60) | 3.45 | not lossless (engine) (n-gram not lossless (engine)) |" in card
+    assert "| heldout | 4 | 3.50 (n-gram 1.60) | 3.45 | engine not lossless |" in card
+
+
+def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
+    from test_report import _report
+
+    r = _report(matrix=_runs())
+    assert {w["kind"] for w in r["warnings"]} >= {"not_lossless", "matrix_ngram", "matrix_drop"}
+    write_report(r, tmp_path / "v.json", tmp_path / "v.html", csv_path=tmp_path / "v.csv")
+    page = (tmp_path / "v.html").read_text()
+    assert page.index("Acceptance by evaluation set and temperature") < page.index("<h2>Summary")
+    assert len(pd.read_csv(tmp_path / "v.csv")) == len(r["matrix"]["cells"])
+    assert json.loads((tmp_path / "v.json").read_text())["matrix"]["temperatures"] == [0.0, 1.0]
