@@ -661,9 +661,10 @@ def _percentile(sorted_values, q):
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def write_stats_table(stats_paths, out_csv) -> "pandas.DataFrame":
+def write_stats_table(stats_paths, out_csv):
     """The per-shard trace statistics (``traces/shard_{i}.stats.json``) as one table, a row per shard
-    and a column per figure (nested ones flattened as ``a.b``), written as CSV for notebooks."""
+    and a column per figure (nested ones flattened as ``a.b``), written as CSV for notebooks; returns the
+    pandas DataFrame."""
     import pandas as pd
 
     rows = [{"shard": _stem(Path(p)).removesuffix(".stats"), **json.loads(Path(p).read_text())} for p in stats_paths]

@@ -20,26 +20,19 @@ import io
 import json
 import math
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import defaults
-from ..errors import EaglenestError
 from ..states.hidden import HiddenShards
 from ..states.target import load_target_head, resolve_device
-from ..util import atomic_path, progress_bar, save_safetensors, say, write_atomic
+from ..util import atomic_path, progress_bar, say, write_atomic
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
-from .config import DraftConfig
-from .layers import FLEX_BLOCK
 from .model import Eagle3Draft
 from .optim import MasterAdamW, clip_and_step
-from .ttt import token_embeds_ids, ttt_loss_plan
 from .vocab import load_vocab
 
 AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (set_runtime)
