@@ -2,7 +2,7 @@
 
 Starts the stub server (tests/stub_server.py --mode fixed: one small pre-encoded answer, no delay)
 in its own process, then sends N chat requests through
-  (a) eaglenest.traces.generate_shard on a temp shard (concurrency C), and
+  (a) eaglenest.data.traces.generate_shard on a temp shard (concurrency C), and
   (b) openai.OpenAI(base_url=...).chat.completions.create from ThreadPoolExecutor(256),
 and prints requests/s and the client's CPU seconds per request (getrusage of this process; the
 stub's CPU is reported apart). Rounds alternate a, b; the median round of each is reported.
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eaglenest.traces import generate_shard  # noqa: E402
+from eaglenest.data.traces import generate_shard  # noqa: E402
 
 MODEL = "stub-model"
 GENERATION = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}

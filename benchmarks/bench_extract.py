@@ -1,6 +1,6 @@
 """Hidden-state extraction throughput of eaglenest's transformers path, shard writing included.
 
-Runs `eaglenest.hidden.extract_hidden` over synthetic traces with a randomly initialised
+Runs `eaglenest.states.hidden.extract_hidden` over synthetic traces with a randomly initialised
 Llama-3.1-8B-shaped target on the GPU, and prints tokens/s against the 2*params FLOP-per-token
 limit (causal attention added, the input embedding excluded: a lookup; the lm_head included:
 extraction runs it for the shard's `target_next`, the greedy token at each position) at the bf16
@@ -51,7 +51,7 @@ def write_traces(path, n, length, vocab, seed=0):
 def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, iters=6):
     """Tokens/s of the forward extraction runs (decoder, aux capture, concatenation, the greedy next
     tokens), outputs kept on the device: the rate extraction would reach if copies and writes cost nothing."""
-    from eaglenest.target import AuxCapture as _AuxCapture, decoder_of as _decoder, greedy_next
+    from eaglenest.states.target import AuxCapture as _AuxCapture, decoder_of as _decoder, greedy_next
 
     decoder = _decoder(model)
     B = max(1, min(seqs, batch_tokens // length))  # extraction's batch shape
@@ -84,7 +84,7 @@ def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, i
 def main():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.hidden import extract_hidden
+    from eaglenest.states.hidden import extract_hidden
 
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, default=64)
@@ -118,7 +118,7 @@ def main():
         out = Path(tmp) / "shard.safetensors"
         # Warm-up (kernel selection, device and page-locked host allocators) on as many batches of
         # the measured shape as extraction holds at once, then the measured run.
-        from eaglenest.hidden import INFLIGHT
+        from eaglenest.states.hidden import INFLIGHT
 
         small = Path(tmp) / "warm.jsonl"
         write_traces(small, min(a.seqs, INFLIGHT * max(1, a.batch_tokens // a.len)), a.len, cfg.vocab_size, seed=1)

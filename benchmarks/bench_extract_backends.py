@@ -33,11 +33,12 @@ def main():
 
     from transformers import AutoModelForCausalLM
 
-    from eaglenest.extract_vllm import extract_hidden_vllm, hidden_server_config, layer_ids
-    from eaglenest.hidden import extract_hidden
-    from eaglenest.target import save_target_head
-    from eaglenest.server import LocalPaths, start_local, stop_local, wait_ready
-    from eaglenest.vllm_connector import read_states, storage_dir
+    from eaglenest.states.extract import extract_hidden_vllm, hidden_server_config, layer_ids
+    from eaglenest.states.hidden import extract_hidden
+    from eaglenest.states.target import save_target_head
+    from eaglenest.serving.local import LocalPaths, start_local, stop_local
+    from eaglenest.serving.lifecycle import wait_ready
+    from eaglenest.serving.connector import read_states, storage_dir
 
     wd = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     rng = random.Random(0)

@@ -1,6 +1,6 @@
 """Draft training-step throughput at real sizes, with synthetic hidden states already on the GPU.
 
-One optimizer step of eaglenest's EAGLE-3 draft as `eaglenest.train` runs it (target distribution
+One optimizer step of eaglenest's EAGLE-3 draft as `eaglenest.draft.train` runs it (target distribution
 once per batch, training-time test, loss, backward, clip, AdamW), on one packed sequence, with the
 target distribution as train_draft makes it from shards that have `target_next` (the draft
 vocabulary's rows of the target head on the device, the greedy tokens given; `--target-argmax full`:
@@ -23,11 +23,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-import eaglenest.model
-from eaglenest.model import DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
-from eaglenest.optim import clip_and_step
-from eaglenest.train import (AUTO_KEYS, configure_compile, loss_rows, make_optimizer, resolve_config, resolve_runtime,
-                             set_runtime, target_distribution)
+import eaglenest.draft.model
+from eaglenest.draft.batches import loss_rows
+from eaglenest.draft.checkpoint import resolve_config
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.optim import clip_and_step
+from eaglenest.draft.train import (AUTO_KEYS, configure_compile, make_optimizer, resolve_runtime, set_runtime,
+                                   target_distribution)
+from eaglenest.draft.ttt import token_embeds_ids, ttt_loss_plan
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
     "llama8b": (4096, 14336, 32, 8, 128256),
@@ -197,7 +201,7 @@ def main():
 
             for flex_options in a.flex_options:
                 if flex_options is not None:
-                    eaglenest.model.FLEX_KERNEL_OPTIONS = json.loads(flex_options)
+                    eaglenest.draft.layers.FLEX_KERNEL_OPTIONS = json.loads(flex_options)
                     torch._dynamo.reset()  # recompile the step with them (and the rest, as a new run would)
                 t0 = time.perf_counter()
                 for _ in range(3):
@@ -208,7 +212,7 @@ def main():
                 warm = time.perf_counter() - t0
                 s = timed(step, a.iters, dev)
                 f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
-                r = dict(impl=label, size=size, seq=T, prompt=a.prompt, ttt=ttt, flex_options=eaglenest.model.FLEX_KERNEL_OPTIONS,
+                r = dict(impl=label, size=size, seq=T, prompt=a.prompt, ttt=ttt, flex_options=eaglenest.draft.layers.FLEX_KERNEL_OPTIONS,
                          step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
                          # between steps: weights, optimizer state, inputs; the rest of the peak is the step's

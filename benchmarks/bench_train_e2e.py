@@ -1,10 +1,10 @@
 """`train_draft` itself, end to end, from hidden-state shards on local disk.
 
 For each size: a random target of that width and vocabulary but only 4 layers (the draft only sees
-its widths) is run over random traces by `eaglenest.hidden.extract_hidden`, which writes a shard in
+its widths) is run over random traces by `eaglenest.states.hidden.extract_hidden`, which writes a shard in
 the project's format (with `target_next`, the target's greedy tokens, as the workflow writes it:
 train_draft then keeps only the draft vocabulary's rows of the target head on the device);
-`save_target_head` and `build_vocab` write the head and the vocabulary (draft vocabulary 32000). The target is then freed and `eaglenest.train.train_draft` runs with its
+`save_target_head` and `build_vocab` write the head and the vocabulary (draft vocabulary 32000). The target is then freed and `eaglenest.draft.train.train_draft` runs with its
 DEFAULT configuration; only the sizes are set: one `--seq`-token sequence per step
 (`batch_tokens = seq`), `max_steps`. Reported from its own metrics file: tokens/s as the median
 over the steps after `--warmup` (train_draft times each step with CUDA events on its compute
@@ -39,16 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_extract import write_traces  # noqa: E402
 from bench_train import SIZES, flops_per_token, matmul_rate  # noqa: E402
 
-from eaglenest.train import AUTO_KEYS  # noqa: E402
+from eaglenest.draft.train import AUTO_KEYS  # noqa: E402
 
 
 def make_data(root, size, seqs, seq, dev):
     """Shard + target head + vocabulary of a random 4-layer target of ``size``'s widths."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.hidden import extract_hidden
-    from eaglenest.target import save_target_head
-    from eaglenest.vocab import build_vocab
+    from eaglenest.states.hidden import extract_hidden
+    from eaglenest.states.target import save_target_head
+    from eaglenest.draft.vocab import build_vocab
 
     H, I, nh, nkv, V = SIZES[size]
     cfg = LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
@@ -77,7 +77,8 @@ def make_data(root, size, seqs, seq, dev):
 
 
 def main():
-    from eaglenest.train import resolve_config, resolve_runtime, train_draft
+    from eaglenest.draft.checkpoint import resolve_config
+    from eaglenest.draft.train import resolve_runtime, train_draft
 
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["llama8b", "kimi"])

@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-from eaglenest.model import DraftConfig, Eagle3Draft
-from eaglenest.train import configure_compile, target_distribution
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.train import configure_compile, target_distribution
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True, "split_step_grads": True, "diag_split": True,
         "skip_unscored": True}
@@ -182,7 +183,7 @@ def main():
         failures.append(r)
     # MasterAdamW: its compiled step with the clip fused in (the default on CUDA) against the eager
     # update after torch's clip_grad_norm_, 5 steps
-    from eaglenest.optim import MasterAdamW
+    from eaglenest.draft.optim import MasterAdamW
 
     results, norms = [], []
     for compiled in (False, True):

@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import SIZES, timed  # noqa: E402  (head_dim = hidden // heads, as bench_train builds the draft)
 
-from eaglenest.model import FLEX_BLOCK, ttt_block_masks  # noqa: E402
+from eaglenest.draft.layers import FLEX_BLOCK
+from eaglenest.draft.ttt import ttt_block_masks  # noqa: E402
 
 FWD_128 = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8}  # torch's H100 pick for hd 128
 CANDIDATES = [

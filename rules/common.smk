@@ -15,11 +15,12 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
-from eaglenest.extract_vllm import preflight_logits_memory
+from eaglenest.states.extract import preflight_logits_memory
 from eaglenest.config import ConfigError, validate_config, write_resolved_config
-from eaglenest.server import ServerConfig, forget_run_key, stop_server
-from eaglenest.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
-from eaglenest.traces import ANSWER_SETTINGS
+from eaglenest.serving.settings import ServerConfig, forget_run_key
+from eaglenest.serving.lifecycle import stop_server
+from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
+from eaglenest.data.traces import ANSWER_SETTINGS
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]

@@ -95,7 +95,7 @@ else:
             aux_layers=config["draft"]["aux_layers"],
             hidden={k: v for k, v in config["hidden"].items()
                     if k not in ("temporary", "device", "batch_tokens", "gpus", "backend", "concurrency", "port",
-                                 "request_timeout", "max_retries", *STREAM_KEYS)},
+                                 "request_timeout", "max_retries", "backoff_base", "backoff_max", *STREAM_KEYS)},
         resources:
             **gpu_resources("hidden"),
         conda:

@@ -26,8 +26,11 @@ rule stop_server:
     """Stops a local server once every trace shard is done: downstream GPU work waits on this edge."""
     input:
         expand("traces/shard_{i}.jsonl", i=SHARDS),
+        stats=expand("traces/shard_{i}.stats.json", i=SHARDS),
     output:
         "server.stopped",
+        # Every shard's statistics in one table; written here, the one rule that waits for all shards.
+        table="traces/stats.csv",
     params:
         server=config["server"],
         log_dir=SERVER_LOG_DIR,

@@ -3,8 +3,8 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.target import load_target_head
-from eaglenest.vocab import build_vocab
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.states.target import load_target_head
 
 _, info = load_target_head(snakemake.input.head)
 build_vocab(snakemake.input.traces, snakemake.output[0], info["vocab_size"],

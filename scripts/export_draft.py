@@ -3,7 +3,7 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.export import export_draft
+from eaglenest.draft.export import export_draft
 
 out = dict(snakemake.output.items())
 export_draft(snakemake.input[0], out.get("vllm"), speculators_dir=out.get("speculators"), card=snakemake.params.card,

@@ -4,7 +4,7 @@ from eaglenest.logs import to_log
 to_log(snakemake.log[0])
 
 from eaglenest.gpus import hold_gpus
-from eaglenest.hidden import extract_hidden
+from eaglenest.states.hidden import extract_hidden
 from eaglenest.util import say
 
 # Jobs run side by side each get their own GPUs (a SLURM job keeps the scheduler's).

@@ -3,8 +3,9 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.server import ServerConfig, check_sentinel
-from eaglenest.traces import generate_shard
+from eaglenest.data.traces import generate_shard
+from eaglenest.serving.probe import check_sentinel
+from eaglenest.serving.settings import ServerConfig
 
 api_key = ServerConfig.from_dict(snakemake.config["server"]).api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)

@@ -9,9 +9,9 @@ from eaglenest.logs import to_log
 to_log(snakemake.log[0])
 
 from eaglenest.errors import ServerError
-from eaglenest.extract_vllm import hidden_server_config, layer_ids
-from eaglenest.server import start_server, write_sentinel
-from eaglenest.vllm_connector import storage_dir
+from eaglenest.serving.connector import storage_dir
+from eaglenest.serving.lifecycle import start_server, write_sentinel
+from eaglenest.states.extract import hidden_server_config, layer_ids
 
 mode = snakemake.params.server["mode"]
 if mode not in ("local", "slurm"):

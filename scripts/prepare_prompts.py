@@ -5,7 +5,7 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.prompts import prepare_prompts
+from eaglenest.data.prompts import prepare_prompts
 
 ds = snakemake.params.dataset
 prepare_prompts(ds["path"], Path(snakemake.output.heldout).parent, shards=snakemake.params.shards,

@@ -3,7 +3,7 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.target import save_target_head
+from eaglenest.states.target import save_target_head
 from eaglenest.util import say
 
 info = save_target_head(snakemake.params.target, snakemake.output[0], aux_layers=snakemake.params.aux_layers)

@@ -5,7 +5,8 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
-from eaglenest.server import ServerConfig, kv_shortfall, start_server, write_sentinel
+from eaglenest.serving.lifecycle import kv_shortfall, start_server, write_sentinel
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import say
 
 cfg = ServerConfig.from_dict(snakemake.params.server)

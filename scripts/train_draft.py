@@ -11,9 +11,10 @@ to_log(snakemake.log[0])
 
 import torch
 
+from eaglenest.draft.train import train_draft
 from eaglenest.gpus import hold_gpus
-from eaglenest.server import ServerConfig, check_sentinel
-from eaglenest.train import train_draft
+from eaglenest.serving.probe import check_sentinel
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import say
 
 # Its own GPUs for this job and the torchrun processes it starts (a SLURM job keeps the scheduler's).
@@ -27,7 +28,7 @@ if snakemake.params.get("stream"):
     ready = check_sentinel(snakemake.input.ready, ServerConfig.from_dict(server).api_key())
     stream = {"traces": list(snakemake.input.traces), "url": ready["urls"][0], "model": ready["model"],
               "head": snakemake.input.head, "storage": ready["states_dir"], "server": server,
-              **{k: h[k] for k in ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries",
+              **{k: h[k] for k in ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries", "backoff_base", "backoff_max",
                                    "max_disk_gb", "cache")},
               "ahead_tokens": h["stream_ahead"] * config["batch_tokens"],
               "cache_dir": str(Path(snakemake.params.state_dir) / "stream_cache")}
@@ -35,7 +36,7 @@ args = dict(hidden=list(snakemake.input.get("hidden", [])), vocab=snakemake.inpu
             out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir)
 if nproc > 1:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eaglenest.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
+           "-m", "eaglenest.draft.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
            "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"],
            "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
     say("launching: " + " ".join(cmd))

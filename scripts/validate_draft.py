@@ -7,7 +7,7 @@ to_log(snakemake.log[0])
 
 import torch
 
-from eaglenest.validate import validate_draft
+from eaglenest.validation.validate import validate_draft
 
 torch.set_num_threads(max(1, snakemake.threads))
 drafts = {f: snakemake.input[f] for f in ("vllm", "speculators") if f in snakemake.input.keys()}

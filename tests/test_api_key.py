@@ -16,8 +16,12 @@ import pytest
 import yaml
 
 from conftest import TOY_PROMPTS, run_snakemake, write_config
-from eaglenest.server import RUN_KEY_FILE, ServerConfig, ServerError, probe, read_pidfile, LocalPaths, stop_server
-from eaglenest.slurm import read_record, SlurmPaths
+from eaglenest.errors import ServerError
+from eaglenest.serving.lifecycle import stop_server
+from eaglenest.serving.local import read_pidfile, LocalPaths
+from eaglenest.serving.probe import probe
+from eaglenest.serving.settings import RUN_KEY_FILE, ServerConfig
+from eaglenest.serving.slurm import read_record, SlurmPaths
 from test_slurm import _run, _scontrol_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

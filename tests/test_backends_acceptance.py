@@ -13,9 +13,9 @@ import time
 import pytest
 
 from conftest import free_port, run_snakemake, write_config
-from eaglenest.server import ServerConfig
-from eaglenest.validate import measure_run, read_prompts, request_settings
-from eaglenest.vllm_format import speculative_config
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.vllm import speculative_config
+from eaglenest.validation.validate import measure_run, read_prompts, request_settings
 
 pytestmark = pytest.mark.vllm
 K = 3

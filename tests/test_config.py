@@ -57,10 +57,13 @@ def test_every_schema_default_reaches_the_code_unchanged():
     key is not given, is exactly the schema's default."""
     import dataclasses
 
-    from eaglenest import prompts, traces, train, validate
+    from eaglenest.data import prompts
+    from eaglenest.data import traces
+    from eaglenest.draft import train
+    from eaglenest.validation import validate
     from eaglenest.config import defaults
-    from eaglenest.server import ServerConfig
-    from eaglenest.slurm import SlurmSettings
+    from eaglenest.serving.settings import ServerConfig
+    from eaglenest.serving.slurm import SlurmSettings
 
     resolved = validate_config({})
     assert defaults() == resolved
@@ -86,7 +89,10 @@ def test_library_keyword_defaults_agree_with_the_schema():
     the schema's: calling the library without Snakemake gives what the workflow would."""
     import inspect
 
-    from eaglenest import extract_vllm, hidden, prompts, vocab
+    from eaglenest.states import extract as extract_vllm
+    from eaglenest.states import hidden
+    from eaglenest.data import prompts
+    from eaglenest.draft import vocab
     from eaglenest.config import defaults
 
     # prepare_prompts: one shard and nothing held out are the library's quick call; the workflow

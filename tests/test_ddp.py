@@ -8,14 +8,14 @@ import sys
 
 import torch
 
-from eaglenest import train
-from eaglenest.train import load_checkpoint
+from eaglenest.draft import train
+from eaglenest.draft.checkpoint import load_checkpoint
 from test_train import CONFIG, data, run  # noqa: F401  (data is the fixture)
 
 
 def torchrun(data, out, config, nproc):  # noqa: F811
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eaglenest.train", "--hidden", *map(str, data["hidden_paths"]), "--vocab", str(data["vocab_path"]),
+           "-m", "eaglenest.draft.train", "--hidden", *map(str, data["hidden_paths"]), "--vocab", str(data["vocab_path"]),
            "--head", str(data["head_path"]), "--out", str(out / "checkpoint.safetensors"),
            "--metrics", str(out / "train_metrics.csv"), "--state-dir", str(out / ".train_state"),
            "--config", json.dumps(config), "--device", "cpu"]

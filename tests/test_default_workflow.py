@@ -2,8 +2,7 @@
 report included) with the repo's own config.yaml, in real vLLM on the toy target.
 
 Only what cannot be shared between machines is changed: paths are made absolute (the workflow runs in a
-temporary directory) and servers get free ports; training runs 3 training-time-test steps instead of
-7 (see TRAIN). Whatever else the default is (its hidden-state backend, its training) is what runs here.
+temporary directory) and servers get free ports. Everything else is the shipped config.
 About 20 minutes on 2 cores: the slowest test of the suite.
 
 The report's facts are the product's promise: acceptance length at least 3.0 at k=3 in vLLM, above
@@ -38,7 +37,7 @@ def test_default_workflow_report_meets_the_promise(default_run):
     assert (wd / "reports/validation.html").read_text().count("<svg") >= 1
     # vLLM's own log: the generation server's KV cache (server.kv_cache_gb) holds generation.concurrency
     # sequences of max_model_len tokens, and every validation server ran the same way as the others.
-    from eaglenest.vllm_format import kv_cache_facts
+    from eaglenest.serving.vllm import kv_cache_facts
 
     facts = kv_cache_facts(wd / "logs/server/vllm.log")
     assert facts["kv_cache_sized"] == "explicit", facts
@@ -109,10 +108,10 @@ def _wrong_export(src: Path, dst: Path, **changes) -> Path:
 def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
     """A draft whose config.json disagrees with its training is named by the export check, and vLLM
     (which believes the config) accepts it far less often than the draft as trained."""
-    from eaglenest.report import export_differences
-    from eaglenest.server import ServerConfig
-    from eaglenest.validate import measure_run, read_prompts, request_settings  # read_prompts: from evalsets
-    from eaglenest.vllm_format import speculative_config
+    from eaglenest.validation.report import export_differences
+    from eaglenest.serving.settings import ServerConfig
+    from eaglenest.validation.validate import measure_run, read_prompts, request_settings
+    from eaglenest.serving.vllm import speculative_config
 
     wd, cfg, report = default_run
     good = wd / "draft/checkpoint"

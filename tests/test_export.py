@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from eaglenest.export import export_draft, export_untrained, load_exported
-from eaglenest.train import load_checkpoint
-from eaglenest.vllm_format import ARCHITECTURE, tensor_shapes, vllm_tensors
+from eaglenest.draft.checkpoint import load_checkpoint
+from eaglenest.draft.export import export_draft, export_untrained, load_exported
+from eaglenest.draft.vllm_format import ARCHITECTURE, tensor_shapes, vllm_tensors
 from test_model import make_model
 from test_train import data, run  # noqa: F401  (data is a fixture)
 

@@ -17,11 +17,12 @@ import torch
 from safetensors import safe_open
 
 from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port, run_snakemake, write_config
-from eaglenest.extract_vllm import ExtractError, extract_hidden_vllm, hidden_server_config
-from eaglenest.hidden import extract_hidden
-from eaglenest.target import save_target_head
-from eaglenest.server import LocalPaths, read_pidfile, start_local, stop_local, wait_ready
-from eaglenest.vllm_connector import storage_dir
+from eaglenest.serving.connector import storage_dir
+from eaglenest.serving.lifecycle import wait_ready
+from eaglenest.serving.local import LocalPaths, read_pidfile, start_local, stop_local
+from eaglenest.states.extract import ExtractError, extract_hidden_vllm, hidden_server_config
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.target import save_target_head
 
 pytestmark = pytest.mark.vllm
 AUX = [1, 2, 3]
@@ -163,7 +164,7 @@ def _finished(journal):
 def test_kill_9_mid_extraction_then_rerun_loses_and_repeats_nothing(server, tmp_path):
     out = tmp_path / "shard_0.safetensors"
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-            "from eaglenest.extract_vllm import extract_hidden_vllm\n"
+            "from eaglenest.states.extract import extract_hidden_vllm\n"
             f"extract_hidden_vllm([{str(server['traces'])!r}], {str(out)!r}, url={server['url']!r}, model='toy', "
             f"head_path={str(server['head'])!r}, storage={str(server['storage'])!r}, max_length=512, "
             "concurrency=8, progress=False)\n")

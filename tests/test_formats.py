@@ -17,13 +17,13 @@ import torch
 import yaml
 
 from conftest import TOY_TARGET, eager, run_snakemake, write_config
-from eaglenest.export import VALIDATION_MARK, export_draft, load_exported, write_validation
-from eaglenest.predict import load_exported_draft
-from eaglenest.server import ServerConfig
+from eaglenest.draft.export import VALIDATION_MARK, export_draft, load_exported, write_validation
+from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
+                                         flat_config, launch, speculators_config_json)
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import save_safetensors
-from eaglenest.validate import measure_run, read_prompts, request_settings
-from eaglenest.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids, flat_config,
-                                   launch, speculators_config_json)
+from eaglenest.validation.predict import load_exported_draft
+from eaglenest.validation.validate import measure_run, read_prompts, request_settings
 from test_train import data, run  # noqa: F401  (data is a fixture)
 
 K = 3
@@ -86,7 +86,7 @@ def test_norm_before_residual_defaults_differ_between_formats(both):
 def test_export_check_reads_the_speculators_format_as_vllm_does(both, tmp_path):
     """The report's export-against-training check reads a speculators draft with that format's
     defaults: without norm_before_residual, vLLM would run it with true, not as trained."""
-    from eaglenest.report import export_differences
+    from eaglenest.validation.report import export_differences
 
     ckpt = both / "checkpoint.safetensors"
     assert export_differences(both / "speculators", ckpt) == [] == export_differences(both / "vllm", ckpt)
@@ -147,7 +147,7 @@ def test_a_speculators_draft_is_served_as_the_model_where_its_verifier_resolves(
 
 
 def test_speculators_config_names_the_verifier_as_given():
-    from eaglenest.model import DraftConfig
+    from eaglenest.draft.config import DraftConfig
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from eaglenest import hidden
-from eaglenest.hidden import DiskSpaceError, HiddenShards, extract_hidden
-from eaglenest.target import load_target_head, save_target_head
-from eaglenest.vllm_format import default_aux_layers
+from eaglenest.serving.vllm import default_aux_layers
+from eaglenest.states import hidden
+from eaglenest.states.hidden import DiskSpaceError, HiddenShards, extract_hidden
+from eaglenest.states.target import load_target_head, save_target_head
 
 VOCAB, HIDDEN, LAYERS = 100, 64, 4
 
@@ -177,7 +177,7 @@ def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, m
     head from the index and the one shard that holds it, never the whole target."""
     import shutil
 
-    from eaglenest import target as target_mod
+    from eaglenest.states import target as target_mod
 
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
     shutil.copytree(target, snapshot)

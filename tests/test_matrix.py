@@ -6,9 +6,9 @@ import random
 import pandas as pd
 import pytest
 
-from eaglenest.lossless import score_check
-from eaglenest.matrix import build_matrix, cells_frame, matrix_findings, matrix_html, matrix_markdown, write_csv
-from eaglenest.report import write_report
+from eaglenest.validation.lossless import score_check
+from eaglenest.validation.matrix import build_matrix, cells_frame, matrix_findings, matrix_html, matrix_markdown, write_csv
+from eaglenest.validation.report import write_report
 
 
 def _scores(mean, sd, n, seed):

@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest.model import DraftConfig, Eagle3Draft, soft_cross_entropy, ttt_loss
-from eaglenest.vllm_format import tensor_shapes
-from eaglenest.vocab import maps_from_ids
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.losses import soft_cross_entropy, ttt_loss
+from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.vllm_format import tensor_shapes
+from eaglenest.draft.vocab import maps_from_ids
 
 V, VD, H, J = 50, 20, 32, 4
 
@@ -190,7 +192,7 @@ def test_step_with_weight_aliases_compiles_whole(diag):
     """The compiled TTT step (fullgraph) traces with per-step weight aliases, and with the diagonal
     split of its attention, and gives their gradients (dynamo and AOT autograd on CPU; inductor's
     kernels and flex attention are checked on the GPU)."""
-    from eaglenest.model import ttt_mask
+    from eaglenest.draft.ttt import ttt_mask
 
     model = make_model().train()
     T = 16
@@ -215,7 +217,7 @@ def test_step_with_weight_aliases_compiles_whole(diag):
 def test_ttt_chains_are_the_positions_whose_chain_scores():
     """Brute force: base t of row b runs steps >= 1 iff some step j >= 1 scores token t+1+j of the
     same row; padded with unscored positions to a multiple of 16, sorted, distinct."""
-    from eaglenest.model import ttt_chains
+    from eaglenest.draft.ttt import ttt_chains
 
     g = torch.Generator().manual_seed(5)
     B, T = 3, 128
@@ -233,7 +235,7 @@ def test_ttt_chains_are_the_positions_whose_chain_scores():
 def test_chains_step_compiles_once_for_any_chain_count():
     """The later steps' compiled graph (fullgraph, static shapes but the chains' count) serves
     batches of every chain count: dynamo and AOT autograd on CPU, against the eager step."""
-    from eaglenest.model import mark_chains_dynamic, ttt_mask
+    from eaglenest.draft.ttt import mark_chains_dynamic, ttt_mask
 
     model = make_model().train()
     attn = model.midlayer.self_attn
@@ -278,7 +280,7 @@ def test_chains_step_compiles_once_for_any_chain_count():
 
 def test_flex_block_masks_share_shapes_and_mask_mod():
     """One compiled graph serves every TTT step only if the step's inputs differ in values alone."""
-    from eaglenest.model import ttt_block_masks
+    from eaglenest.draft.ttt import ttt_block_masks
 
     masks = ttt_block_masks(256, 5, "cpu")
     assert len({m.mask_mod for m in masks}) == 1 and len({m.seq_lengths for m in masks}) == 1

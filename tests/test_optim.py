@@ -2,7 +2,7 @@
 
 import torch
 
-from eaglenest.optim import MasterAdamW
+from eaglenest.draft.optim import MasterAdamW
 
 
 def _model(seed=0):

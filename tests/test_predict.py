@@ -4,9 +4,9 @@ the draft's own proposals, the prediction over a tiny random target). Fast: no v
 import pytest
 import torch
 
-from eaglenest.model import Eagle3Draft
-from eaglenest.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
-from eaglenest.vllm_format import acceptance
+from eaglenest.draft.model import Eagle3Draft
+from eaglenest.serving.vllm import acceptance
+from eaglenest.validation.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
 
 
 def test_acceptance_math_edge_cases():
@@ -59,8 +59,9 @@ def tiny(tmp_path_factory):
     """A tiny random Llama target and an untrained draft exported for it in vLLM's format."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.export import write_draft
-    from eaglenest.model import DraftConfig, Eagle3Draft
+    from eaglenest.draft.export import write_draft
+    from eaglenest.draft.config import DraftConfig
+    from eaglenest.draft.model import Eagle3Draft
 
     root = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ import yaml
 
 from eaglenest.config import defaults, load_schema, validate_config
 from eaglenest.errors import ConfigError
-from eaglenest.extract_vllm import check_logits_memory, preflight_logits_memory, target_vocab_size
-from eaglenest.server import ServerConfig
-from eaglenest.slurm import SlurmPaths, SlurmSettings, sbatch_command
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
+from eaglenest.states.extract import check_logits_memory, preflight_logits_memory, target_vocab_size
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.prompts import REASONS, PromptsError, RowError, extract_messages, prepare_prompts, prompt_id
+from eaglenest.data.prompts import REASONS, PromptsError, RowError, extract_messages, prepare_prompts, prompt_id
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 
 from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port, run_snakemake, server_gone, write_config
+from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
-from eaglenest.server import LocalPaths, ServerConfig, alive, is_serving, start_local, stop_local, wait_ready
-from eaglenest.traces import generate_shard
+from eaglenest.serving.backend import alive
+from eaglenest.serving.lifecycle import wait_ready
+from eaglenest.serving.local import LocalPaths, start_local, stop_local
+from eaglenest.serving.probe import is_serving
+from eaglenest.serving.settings import ServerConfig
 
 pytestmark = pytest.mark.vllm
 MAX_MODEL_LEN = 512

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from eaglenest import report
-from eaglenest.plots import bar_chart, line_chart, nice_ticks
-from eaglenest.report import (build_report, export_differences, findings,
-                              read_train_metrics, render_html, train_summary, write_report)
+from eaglenest.validation import report
+from eaglenest.validation.plots import bar_chart, line_chart, nice_ticks
+from eaglenest.validation.report import (build_report, export_differences, findings, read_train_metrics, render_html,
+                                         train_summary, write_report)
 from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline of a tiny random target)
 
 RUNS = {
@@ -108,7 +108,7 @@ def test_plots_handle_degenerate_data():
 
 
 def test_log_ticks_are_round():
-    from eaglenest.plots import log_ticks
+    from eaglenest.validation.plots import log_ticks
 
     ticks = [round(10**t, 6) for t in log_ticks(math.log10(0.3), math.log10(25))]
     assert ticks == [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
@@ -125,7 +125,7 @@ def test_load_warning_names_unreliable_throughput(monkeypatch):
 def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # noqa: F811
     from safetensors.torch import load_file, save_file
 
-    from eaglenest.export import export_draft
+    from eaglenest.draft.export import export_draft
 
     run(data, tmp_path / "train")
     ckpt = tmp_path / "train" / "checkpoint.safetensors"
@@ -155,8 +155,8 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     from transformers import AutoTokenizer
 
     from conftest import TOY_TARGET
-    from eaglenest.report import cross_checks
-    from eaglenest.target import chat_prompt_ids
+    from eaglenest.validation.report import cross_checks
+    from eaglenest.states.target import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(TOY_TARGET)
     prompts = [{"messages": [{"role": "user", "content": "What is 2+3?"}]},

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from eaglenest.errors import EaglenestError
-from eaglenest.server import (RUN_KEY_FILE, LocalPaths, ServerConfig, ServerError, busy_gpus, check_model_path,
-                              check_sentinel, forget_run_key, launch_env, looks_like_local_path, run_key, start_local,
-                              start_server, stop_local, stop_server, vllm_command, wait_ready)
+from eaglenest.errors import ServerError
+from eaglenest.serving.lifecycle import start_server, stop_server, wait_ready
+from eaglenest.serving.local import LocalPaths, busy_gpus, launch_env, start_local, stop_local, vllm_command
+from eaglenest.serving.probe import check_sentinel
+from eaglenest.serving.settings import (RUN_KEY_FILE, ServerConfig, check_model_path, forget_run_key,
+                                        looks_like_local_path, run_key)
 
 TOY = Path(__file__).resolve().parent.parent / "toy" / "target"
 
@@ -45,7 +48,7 @@ def test_a_server_beyond_loopback_needs_a_key(mode, host, needs):
 
 
 def test_a_server_with_a_key_loads_the_key_guard_from_this_checkout(monkeypatch):
-    from eaglenest.server import CHECKOUT, KEY_GUARD
+    from eaglenest.serving.local import CHECKOUT, KEY_GUARD
 
     assert "--middleware" not in vllm_command(ServerConfig(model="m"))  # loopback, no key
     for cfg in (ServerConfig(model="m", host="0.0.0.0"), ServerConfig(model="m", mode="slurm"),
@@ -158,7 +161,7 @@ def test_watchdog_stops_server_when_workflow_dies(tmp_path):
 
 
 def _alive(pid):
-    from eaglenest.server import alive
+    from eaglenest.serving.backend import alive
     return alive(pid)
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import descendants, run_snakemake, server_gone, write_config
-from eaglenest.server import LocalPaths, read_pidfile, stop_local
+from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 from test_workflow import _assert_complete, _finished_before, _start, _wait_partial
 
 pytestmark = pytest.mark.vllm

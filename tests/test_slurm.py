@@ -18,9 +18,13 @@ from pathlib import Path
 import pytest
 
 from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port
-from eaglenest.server import ServerConfig, ServerError, probe
-from eaglenest.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name, read_record,
-                             slurm_wait_ready, submit_server)
+from eaglenest.errors import ServerError
+from eaglenest.serving.backend import watchdog_command
+from eaglenest.serving.lifecycle import wait_ready
+from eaglenest.serving.probe import probe
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name,
+                                     read_record, submit_server)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -131,7 +135,7 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     assert again["job_id"] == job_id and again["reused"]
     assert len(_run(["squeue", "--me", "--noheader", "--name", first["name"]]).stdout.splitlines()) == 1
 
-    ready = slurm_wait_ready(cfg, paths, log=lambda m: None)
+    ready = wait_ready(cfg, paths, log=lambda m: None)
     assert ready["slurm_job_id"] == job_id and ready["model"] == "toy" and ready["max_model_len"] == 512
     assert ready["urls"] == [f"http://127.0.0.1:{cfg.port}"]  # the node's NodeAddr, not its name
     assert "toy" in probe(ready["urls"][0], KEY)["models"]
@@ -154,7 +158,7 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
 def test_start_and_stop_server_dispatch_to_slurm_with_the_one_launch_environment(tmp_path, fake_vllm, cluster,
                                                                                  monkeypatch):
     """The same entry points the rules use; the job gets no thread-count variable (as a local server)."""
-    from eaglenest.server import start_server, stop_server
+    from eaglenest.serving.lifecycle import start_server, stop_server
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.chdir(tmp_path)  # the job's name comes from the working directory
@@ -184,7 +188,7 @@ def test_job_that_fails_early_is_reported_with_its_log_tail(tmp_path, fake_vllm,
     job_id = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
     t0 = time.monotonic()
     with pytest.raises(ServerError) as e:
-        slurm_wait_ready(cfg, paths, log=lambda m: None)
+        wait_ready(cfg, paths, log=lambda m: None)
     assert time.monotonic() - t0 < 30
     msg = str(e.value)
     assert job_id in msg and "FAILED" in msg and "ExitCode=3:0" in msg
@@ -205,7 +209,7 @@ def test_job_that_can_never_start_fails_at_once(tmp_path, fake_vllm, cluster, mo
     cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch, cpus=4096)
     job_id = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
     with pytest.raises(ServerError, match=f"never start the server job {job_id}: PartitionConfig"):
-        slurm_wait_ready(cfg, paths, log=lambda m: None)
+        wait_ready(cfg, paths, log=lambda m: None)
     assert _wait_gone(job_id)["state"] == "CANCELLED"
 
 
@@ -217,9 +221,8 @@ def test_watchdog_cancels_the_job_when_the_workflow_dies(tmp_path, fake_vllm, cl
         assert record["watchdog_pid"]
         # The watchdog's default look every 10 s is too slow for a test: run one that looks every second.
         os.kill(record["watchdog_pid"], signal.SIGTERM)
-        watchdog = subprocess.Popen([sys.executable, "-m", "eaglenest.slurm", "watch", "--workflow-pid",
-                                     str(workflow.pid), "--job-id", record["job_id"], "--log-dir", str(paths.log_dir),
-                                     "--interval", "1"], cwd=ROOT)
+        watchdog = subprocess.Popen(watchdog_command("slurm", workflow.pid, record["job_id"], paths.log_dir, interval=1),
+                                    cwd=ROOT)
         time.sleep(2)
         assert job_info(record["job_id"])["state"] in ALIVE
     finally:
@@ -282,7 +285,7 @@ def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster, monkey
     cluster.append(job_name(cfg, tmp_path))
     record = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)
     try:
-        ready = slurm_wait_ready(cfg, paths, log=print)
+        ready = wait_ready(cfg, paths, log=print)
         assert ready["model"] == "toy" and ready["max_model_len"] == 512 and ready["version"]
     finally:
         cancel_server(paths, log=print)

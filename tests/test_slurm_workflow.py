@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from conftest import TOY_PROMPTS, _started_at, run_snakemake, server_gone, vllm_pids, write_config
-from eaglenest.server import ServerConfig
-from eaglenest.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
 from test_slurm import ROOT, _run, _scontrol_job, cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]

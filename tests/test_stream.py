@@ -21,10 +21,11 @@ import torch
 import yaml
 
 from conftest import descendants_running, free_port, run_snakemake, snakemake_cmd, write_config
-from eaglenest.server import LocalPaths, ServerConfig, read_pidfile
-from eaglenest.train import load_checkpoint
-from eaglenest.validate import measure_run, read_prompts, request_settings
-from eaglenest.vllm_format import speculative_config
+from eaglenest.draft.checkpoint import load_checkpoint
+from eaglenest.serving.local import LocalPaths, read_pidfile
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.vllm import speculative_config
+from eaglenest.validation.validate import measure_run, read_prompts, request_settings
 
 pytestmark = pytest.mark.vllm
 K = 3

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest import toy
+from toy import build as toy  # the toy builder lives beside the toy it builds (toy/build.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "toy" / "target"

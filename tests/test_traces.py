@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.traces import TracesError, check_server, fingerprint, generate_shard
+from eaglenest.data.traces import TracesError, check_server, fingerprint, generate_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stub_server import MODEL, StubServer  # noqa: E402
@@ -84,6 +84,25 @@ def stop_stub_process(proc):
 
 
 # -- the happy path -------------------------------------------------------------------------------
+
+
+def test_stats_table_holds_what_each_shards_stats_json_says(tmp_path, stub):
+    import pandas as pd
+
+    from eaglenest.data.traces import write_stats_table
+
+    generate(tmp_path, [stub.url], n=12)
+    stats_json = tmp_path / "traces" / "shard_0.stats.json"
+    second = tmp_path / "traces" / "shard_1.stats.json"
+    second.write_text(json.dumps({**json.loads(stats_json.read_text()), "shard": "shard_1"}))
+    write_stats_table([stats_json, second], tmp_path / "traces" / "stats.csv")
+    table = pd.read_csv(tmp_path / "traces" / "stats.csv")
+    assert list(table["shard"]) == ["shard_0", "shard_1"]
+    expected = pd.json_normalize(json.loads(stats_json.read_text()))
+    for column in expected.columns:
+        value = expected[column][0]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert table[column].tolist() == pytest.approx([value, value]), column
 
 
 def test_records_are_complete_token_exact_and_in_prompt_order(tmp_path, stub, capsys):
@@ -237,7 +256,7 @@ def test_unknown_generation_setting_is_named(tmp_path, stub):
 
 CLIENT = """
 import sys
-from eaglenest.traces import generate_shard
+from eaglenest.data.traces import generate_shard
 generate_shard(sys.argv[1], sys.argv[2], urls=[sys.argv[3]], model="stub-model",
                generation={"concurrency": 4}, progress=False)
 """

@@ -7,11 +7,14 @@ import socket
 import pytest
 import torch
 
-from eaglenest import train
-from eaglenest.hidden import extract_hidden
-from eaglenest.target import load_target_head, save_target_head
-from eaglenest.train import epoch_batches, load_checkpoint, lr_at, resolve_config, target_distribution, train_draft
-from eaglenest.vocab import build_vocab
+from eaglenest.draft import batches as batching
+from eaglenest.draft import train
+from eaglenest.draft.batches import epoch_batches
+from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
+from eaglenest.draft.train import lr_at, target_distribution, train_draft
+from eaglenest.draft.vocab import build_vocab
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.target import load_target_head, save_target_head
 from test_hidden import fake_traces, tiny_target
 
 CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
@@ -153,7 +156,7 @@ def test_batches_cover_each_sequence_once_within_budget():
     assert batches != epoch_batches(lengths, epoch=1, seed=1, batch_tokens=80, window=8)
     assert all(len(b) <= 2 for b in epoch_batches(lengths, 0, 1, 10**6, batch_size=2))
     per_epoch = len(epoch_batches([10] * 100, 0, 0, 20))  # 2 sequences a batch: 50
-    assert [train._count_steps([10] * 100, resolve_config({"epochs": e, "batch_tokens": 20}), 1) for e in (0.5, 1, 2)] == [
+    assert [batching.count_steps([10] * 100, resolve_config({"epochs": e, "batch_tokens": 20}), 1) for e in (0.5, 1, 2)] == [
         per_epoch // 2, per_epoch, 2 * per_epoch]
 
 
@@ -265,8 +268,8 @@ def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu(
     train.set_runtime(model, cuda, world=2)  # DDP watches the parameters' own gradients
     assert model.split_step_grads is False and model.diag_split is True
     # compiled: batches padded to one shape per padded length
-    assert train.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
-    assert train.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)
+    assert batching.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
+    assert batching.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)
 
 
 def test_default_config_trains_on_cpu_with_the_reference_path(data, tmp_path, capsys):
@@ -311,7 +314,7 @@ def test_frozen_lm_head_stays_put(data, tmp_path):
 
 def test_a_failed_batch_read_stops_training_with_the_shard_named(data, tmp_path, monkeypatch):
     """Batches are read by a background thread: its error must reach the training loop, not hang it."""
-    real = train.load_batch
+    real = batching.load_batch
     calls = []
 
     def failing(shards, seq_ids, *args, **kwargs):
@@ -320,7 +323,7 @@ def test_a_failed_batch_read_stops_training_with_the_shard_named(data, tmp_path,
             raise OSError("Input/output error")
         return real(shards, seq_ids, *args, **kwargs)
 
-    monkeypatch.setattr(train, "load_batch", failing)
+    monkeypatch.setattr(batching, "load_batch", failing)
     with pytest.raises(RuntimeError, match=r"reading a batch from .*shard_0.safetensors.* failed: Input/output error"):
         run(data, tmp_path, {**CONFIG, "save_every": 100})
     assert not (tmp_path / "checkpoint.safetensors").exists()
@@ -334,11 +337,11 @@ def test_compiled_batches_come_in_one_shape_per_padded_length():
     rng = random.Random(0)
     lengths = [rng.randint(5, 2048) for _ in range(3000)]
     cfg = train.resolve_runtime(resolve_config({"batch_tokens": 8192}), "cuda")
-    shapes = train.run_shapes(lengths, cfg, 0, 400, 1)
+    shapes = batching.run_shapes(lengths, cfg, 0, 400, 1)
     assert all(T % 128 == 0 and B == 8192 // T for B, T in shapes)
     assert len(shapes) == len({T for _, T in shapes}) <= 2048 // 128
-    for batch in train.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
-        B, T = train.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
+    for batch in batching.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
+        B, T = batching.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
         assert len(batch) <= B and B * T <= 8192
 
 
@@ -346,17 +349,19 @@ def test_skip_unscored_trains_the_same_draft(data, tmp_path, monkeypatch):
     """train_draft on the flex path (the CUDA default's layout, uncompiled on CPU) with the later TTT
     steps at the scored chains only, and at every position: the same losses and accuracies step by
     step (the toy's traces have prompts, and batches of several sequences have padding)."""
-    import eaglenest.model
+    import eaglenest.draft.model
+    import eaglenest.draft.ttt
 
     config = {**CONFIG, "attention": "flex", "fused_loss": True, "split_step_grads": True, "diag_split": True}
-    sizes, chains = [], eaglenest.model.ttt_chains
+    sizes, chains = [], eaglenest.draft.ttt.ttt_chains
 
     def counted(rows, T, J, n_flat):  # how many positions the later steps run at, of how many
         out = chains(rows, T, J, n_flat)
         sizes.append((len(out), n_flat))
         return out
 
-    monkeypatch.setattr(eaglenest.model, "ttt_chains", counted)
+    monkeypatch.setattr(eaglenest.draft.model, "ttt_chains", counted)
+    monkeypatch.setattr(eaglenest.draft.ttt, "ttt_chains", counted)  # the batch plan's chains
     rows = {}
     for skip in (True, False):
         out = tmp_path / str(skip)

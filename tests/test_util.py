@@ -5,7 +5,8 @@ import stat
 
 import pytest
 
-from eaglenest import errors, util
+from eaglenest import errors
+from eaglenest import util
 
 
 def test_write_atomic_writes_bytes_text_and_json_whole_and_readable(tmp_path):

@@ -4,9 +4,9 @@ demand). Fast: no vLLM."""
 
 import pytest
 
-from eaglenest import validate
-from eaglenest.validate import counter_delta
-from eaglenest.vllm_format import acceptance, spec_counters
+from eaglenest.serving.vllm import acceptance, spec_counters
+from eaglenest.validation import validate
+from eaglenest.validation.validate import counter_delta
 from test_vllm_format import METRICS_BEFORE, _after
 
 
@@ -30,7 +30,7 @@ def test_counter_differences_give_the_run_alone():
 
 
 def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
-    from eaglenest.server import ServerConfig
+    from eaglenest.serving.settings import ServerConfig
 
     srv = ServerConfig(model="x", extra_args=["--speculative-config", "{}"])
     with pytest.raises(validate.ValidationError, match="server.extra_args"):
@@ -111,7 +111,7 @@ def test_temperatures_default_to_zero_and_the_generation_temperature():
 
 
 def test_evaluation_sets_load_through_the_training_loader(tmp_path):
-    from eaglenest.evalsets import load_set, resolve_sets
+    from eaglenest.validation.evalsets import load_set, resolve_sets
 
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text('{"id": "h", "messages": [{"role": "user", "content": "held out"}]}\n')

@@ -1,4 +1,4 @@
-"""The vLLM internals eaglenest/vllm_connector.py relies on, checked against the installed vLLM.
+"""The vLLM internals eaglenest/serving/connector.py relies on, checked against the installed vLLM.
 
 Each assertion names one thing the connector uses; when a vLLM upgrade renames or reshapes it, this
 fails here, loudly, before an extraction server dies at its first request. The CPU write path is
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglenest import vllm_connector
+from eaglenest.serving import connector as vllm_connector
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_upstream_names_the_connector_relies_on(upstream):
 def test_connector_class_is_upstreams_subclass(upstream):
     cls = vllm_connector.EaglenestHiddenStatesConnector
     assert issubclass(cls, getattr(upstream, vllm_connector.UPSTREAM))
-    assert cls.__name__ == vllm_connector.CONNECTOR and vllm_connector.MODULE == "eaglenest.vllm_connector"
+    assert cls.__name__ == vllm_connector.CONNECTOR and vllm_connector.MODULE == "eaglenest.serving.connector"
 
 
 def test_cpu_write_path_with_upstreams_get_finished(upstream, tmp_path):

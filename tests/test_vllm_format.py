@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from eaglenest.model import DraftConfig
-from eaglenest.vllm_format import (CONFIG_DEFAULTS, check_aux_layers, default_aux_layers, draft_config_from_json,
-                                   draft_config_json, reasoning_of, served_aux_layers, served_dtype, spec_counters,
-                                   speculative_config)
+from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, draft_config_from_json, draft_config_json, served_aux_layers
+from eaglenest.serving.vllm import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
+                                    speculative_config)
 
 # What vLLM 0.32's /metrics serves with a speculative config (prometheus_client text format), two engines.
 METRICS_BEFORE = """\

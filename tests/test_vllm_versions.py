@@ -6,10 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest import extract_vllm, vllm_format
-from eaglenest.target import target_info
-from eaglenest.vllm_format import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed, extraction_server_args,
-                                   launch, serve_line, supported_version_note, version_at_least, vllm_version)
+from eaglenest.draft import vllm_format as draft_format
+from eaglenest.draft.vllm_format import launch, serve_line
+from eaglenest.serving.vllm import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed,
+                                    extraction_server_args, supported_version_note, version_at_least, vllm_version)
+from eaglenest.states import extract as extract_vllm
+from eaglenest.states.target import target_info
 
 
 def test_version_at_least_reads_release_strings():
@@ -70,7 +72,7 @@ def test_a_local_verifier_is_served_as_the_model_only_where_vllm_takes_it(tmp_pa
 
 
 def test_a_hub_verifier_is_served_as_the_model_on_every_release(tmp_path, monkeypatch):
-    monkeypatch.setattr(vllm_format, "verifier_is_local", lambda name: True)  # as if in the hub cache
+    monkeypatch.setattr(draft_format, "verifier_is_local", lambda name: True)  # as if in the hub cache
     d = _speculators_dir(tmp_path, "org/target")
     for version in ("0.32.0", "0.33.0", "0.34.0", None):
         assert launch("speculators", d, 3, "TARGET", version)[:2] == (str(d.resolve()), None), version

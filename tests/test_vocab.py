@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from eaglenest.vllm_format import draft_to_target_ids
-from eaglenest.vocab import build_vocab, load_vocab, maps_from_ids, select_vocab
+from eaglenest.draft.vllm_format import draft_to_target_ids
+from eaglenest.draft.vocab import build_vocab, load_vocab, maps_from_ids, select_vocab
 
 
 def write_traces(path, completions, truncated=()):

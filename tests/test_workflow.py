@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import TOY_TARGET, descendants_running, run_snakemake, snakemake_cmd, write_config
-from eaglenest.server import LocalPaths, read_pidfile, stop_local
+from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
 TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]

@@ -12,8 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from .errors import ValidationError
-from .prompts import prepare_prompts
+from ..errors import ValidationError
+from ..data.prompts import prepare_prompts
 
 HELDOUT = "heldout"  # the held-out split's name in the matrix; always the first set
 SET_DEFAULTS = {"split": "train", "subset": None, "limit": None, "seed": 0, "chat_template_kwargs": None}

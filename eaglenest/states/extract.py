@@ -39,8 +39,6 @@ import dataclasses
 import glob
 import json
 import os
-import random
-import shutil
 import threading
 import time
 import uuid
@@ -49,15 +47,16 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, DiskSpaceError, EaglenestError
-from .gpus import nvidia_smi
-from .hidden import ShardWriter, estimate_bytes, shard_layout, shard_sequences
-from .server import ServerConfig, key_hint
+from ..errors import ConfigError, EaglenestError
+from ..gpus import nvidia_smi
+from ..serving.client import (CONNECTION_ERRORS, RETRY_STATUSES, RetryPolicy, auth_hint, describe_client_error,
+                              open_session, run_workers)
+from ..serving.connector import read_states, remove_states
+from ..serving.settings import ServerConfig
+from ..serving.vllm import extraction_layer_ids, extraction_server_args, vllm_version
+from ..util import open_locked, progress_bar, say
+from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
 from .target import load_target_head
-from .traces import KEEPALIVE_S, RETRY_STATUSES, describe_client_error
-from .util import open_locked, progress_bar, say
-from .vllm_connector import read_states, remove_states
-from .vllm_format import extraction_layer_ids, extraction_server_args, vllm_version
 
 BACKEND = "vllm"
 
@@ -163,7 +162,8 @@ def preflight_logits_memory(server: dict, hidden: dict) -> str:
 
 
 def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,
-                        use_truncated=True, concurrency=64, request_timeout=3600.0, max_retries=3,
+                        use_truncated=True, concurrency=64, request_timeout=3600.0, max_retries=3, backoff_base=1.0,
+                        backoff_max=30.0,
                         api_key=None, progress=True) -> dict:
     """Write one hidden-state shard from the extraction server at ``url`` (format: ``hidden.py``).
 
@@ -177,7 +177,7 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     t_start = time.time()
     out_path, storage = Path(out_path), Path(storage).resolve()
     client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=request_timeout,
-                          max_retries=max_retries, api_key=api_key)
+                          retry=RetryPolicy(max_retries, backoff_base, backoff_max), api_key=api_key)
     info, hidden_size, aux_layers = client.info, client.hidden_size, client.aux_layers
 
     seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
@@ -193,7 +193,9 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     have = partial.stat().st_size if partial.is_file() else 0
     say(f"extract_hidden (vLLM at {url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
         f"about {needed / 2**30:.3f} GiB on disk (+{staging / 2**30:.3f} GiB of per-request files in {storage})")
-    _check_free_disk(out_path, storage, needed - have, staging)
+    check_free_disk({Path(out_path).resolve().parent: needed - have, Path(storage): staging}, f"{out_path}",
+                    "the shard and the per-request files of hidden.concurrency requests; free space, or lower "
+                    "hidden.max_length or hidden.concurrency")
 
     writer = ShardWriter(out_path, specs, metadata, resume=True)
     run = _Run(seqs=seqs, offsets=offsets, writer=writer, client=client, concurrency=concurrency, progress=progress,
@@ -225,23 +227,6 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     say(f"extract_hidden: {len(seqs)} sequences ({run.sent} sent{resumed}), {n_tokens} tokens in {seconds:.1f} s "
         f"({stats['tokens_per_s']:.0f} tok/s sent), {size / 2**30:.3f} GiB written -> {out_path}")
     return stats
-
-
-def _check_free_disk(out_path, storage, needed, staging):
-    """Refuse unless each filesystem has room for what goes there (summed where they are one)."""
-    wants = {}
-    for where, want in ((Path(out_path).resolve().parent, needed), (storage, staging)):
-        where.mkdir(parents=True, exist_ok=True)
-        dev = os.stat(where).st_dev
-        first, total = wants.get(dev, (where, 0))
-        wants[dev] = (first, total + max(0, want))
-    for where, want in wants.values():
-        free = shutil.disk_usage(where).free
-        if free < want:
-            raise DiskSpaceError(
-                f"not enough free disk for {out_path}: needs {want:,} bytes ({want / 2**30:.2f} GiB) in {where} "
-                f"(the shard and the per-request files of hidden.concurrency requests), {free:,} bytes "
-                f"({free / 2**30:.2f} GiB) free; free space, or lower hidden.max_length or hidden.concurrency")
 
 
 def final_norm(x, weight, eps):
@@ -300,27 +285,16 @@ class _Run:
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         try:
             async with self.client.session(self.concurrency) as session:
-                queue = iter(todo)
-                workers = [asyncio.create_task(self._worker(session, queue))
-                           for _ in range(min(self.concurrency, len(todo)))]
-                try:
-                    done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-                finally:
-                    for w in workers:
-                        w.cancel()
-                    await asyncio.gather(*workers, return_exceptions=True)
-                for w in done:
-                    if w.exception() is not None:
-                        raise w.exception()
+                loop = asyncio.get_running_loop()
+
+                async def fetch(k):
+                    path, nxt = await self._request(session, k)
+                    await loop.run_in_executor(self.pool, self._store, k, path, nxt)
+
+                await run_workers(todo, fetch, self.concurrency)
         finally:
             self.pool.shutdown(wait=True)  # a row write in flight ends before the file is closed
             self.pbar.close()
-
-    async def _worker(self, session, queue):
-        loop = asyncio.get_running_loop()
-        for k in queue:
-            path, nxt = await self._request(session, k)
-            await loop.run_in_executor(self.pool, self._store, k, path, nxt)
 
     async def _request(self, session, k):
         rid, ids, _ = self.seqs[k]
@@ -357,26 +331,18 @@ class StatesClient:
     both train on the same numbers. Errors name the server's URL, ``where`` (a shard, or training) and
     ``kept`` (what is kept and what to do)."""
 
-    def __init__(self, *, url, model, storage, head_path, request_timeout, max_retries, api_key):
+    def __init__(self, *, url, model, storage, head_path, request_timeout, retry: RetryPolicy, api_key):
         head, info = load_target_head(head_path)
         self.url, self.model, self.storage = url.rstrip("/"), model, Path(storage).resolve()
         self.ids_wanted, self.hidden_size = layer_ids(info), int(info["hidden_size"])
         self.aux_layers = self.ids_wanted[:-1]
         self.norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
         self.info = info
-        self.request_timeout, self.max_retries, self.api_key = request_timeout, max_retries, api_key
+        self.request_timeout, self.retry, self.api_key = request_timeout, retry, api_key
 
     def session(self, concurrency):
-        """The aiohttp session for ``concurrency`` requests in flight (enter it in the running loop)."""
-        import aiohttp
-
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=min(30.0, self.request_timeout))
-        return aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=KEEPALIVE_S),
-                                     cookie_jar=aiohttp.DummyCookieJar())
+        """The session for ``concurrency`` requests in flight (enter it in the running loop)."""
+        return open_session(self.api_key, concurrency, self.request_timeout)
 
     def file_bytes(self, n_tokens):
         """The most one per-request file of ``n_tokens`` takes on disk ([T, layers, H] at up to 4 bytes)."""
@@ -385,11 +351,9 @@ class StatesClient:
     async def request(self, session, rid, ids, prefix, *, where, sent, kept):
         """Send the token ids ``ids`` (trace ``rid``); return ``(path of the per-request file,
         target_next int32 [n])`` (``greedy_tokens``)."""
-        import aiohttp
-
         body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": 1, "return_token_ids": True}
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(1, self.retry.max_retries + 2):
             req_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
             try:
                 async with session.post(self.url + "/v1/completions", json=body,
@@ -401,17 +365,17 @@ class StatesClient:
                     what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
                     if r.status in (401, 403):
                         raise ExtractError(f"{where}: the extraction server at {self.url} refused the "
-                                           f"request ({what}): {key_hint(self.api_key)}")
+                                           f"request ({what}){auth_hint(r.status, self.api_key)}")
                     if r.status not in RETRY_STATUSES:
                         raise ExtractError(f"{where}: the extraction server at {self.url} refused trace "
                                            f"{rid!r} ({len(ids)} tokens): {what}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except CONNECTION_ERRORS as e:
                 what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
-            if attempt == self.max_retries:
+            if attempt == self.retry.max_retries + 1:
                 raise ExtractError(
                     f"{where}: the extraction server at {self.url} stopped answering ({what}) after "
                     f"{sent} sequences sent by this run; {kept}")
-            await asyncio.sleep(min(30.0, 2.0 ** attempt) * random.uniform(0.5, 1.0))
+            await asyncio.sleep(self.retry.delay(attempt))
         path = ((answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}).get("hidden_states_path")
         if not path:
             raise ExtractError(f"{where}: the server at {self.url} answered trace {rid!r} without "

@@ -21,20 +21,18 @@ import asyncio
 import hashlib
 import json
 import os
-import random
 import time
-import urllib.error
-import urllib.request
-from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-from .config import defaults
-from .errors import ServerError, TracesError
-from .server import key_hint, probe
-from .util import open_locked, progress_bar, say, write_atomic
-from .vllm_format import reasoning_of
+import requests
 
-import aiohttp
+from ..config import defaults
+from ..errors import ServerError, TracesError
+from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT, RETRY_STATUSES, RetryPolicy,
+                              auth_hint, describe_client_error, open_session, run_workers)
+from ..serving.probe import describe_os_error, probe
+from ..serving.vllm import reasoning_of
+from ..util import open_locked, progress_bar, say, write_atomic
 
 __all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "fingerprint"]
 
@@ -43,10 +41,7 @@ GENERATION_DEFAULTS = defaults("generation")
 # The settings that change the answers; they, and only they, name the partial file, and a change to
 # one of them reruns the traces (rules/common.smk reads this list too).
 ANSWER_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
-RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ERROR_BODY_CHARS = 2000
-# vLLM's HTTP server (uvicorn) closes idle connections after 5 s: reusing one it is closing costs a retry.
-KEEPALIVE_S = 4.0
 
 
 
@@ -125,7 +120,7 @@ def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answe
             if not run.errors:
                 raise
             first = run.errors[0]
-            what = f"HTTP {first['status']}{_hint(first['status'], api_key)}" if first["status"] else "no answer"
+            what = f"HTTP {first['status']}{auth_hint(first['status'], api_key)}" if first["status"] else "no answer"
             raise TracesError(f"{name}: {len(run.errors)} of {len(prompts)} requests failed; first: {what} "
                               f"from {first['server']}: {first['body'][:300]}") from None
         with open(output_path, encoding="utf-8") as f:
@@ -146,15 +141,14 @@ def check_server(url, api_key=None, model=None, timeout=5.0):
         info = probe(base, api_key, timeout)
     except ServerError as e:  # the key was refused
         raise TracesError(str(e)) from None
-    except urllib.error.HTTPError as e:
-        raise TracesError(f"server at {base}: GET /v1/models answered HTTP {e.code}; "
+    except requests.HTTPError as e:
+        raise TracesError(f"server at {base}: GET /v1/models answered HTTP {e.response.status_code}; "
                           "is this an OpenAI-compatible server?") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = _describe_os_error(getattr(e, "reason", e))
-        raise TracesError(f"server at {base} is not answering ({reason}); start it, or check the URL") from None
-    except ValueError:
+    except ValueError:  # before OSError: requests' JSONDecodeError is both
         raise TracesError(f"server at {base}: GET /v1/models did not return JSON; "
                           "is this an OpenAI-compatible server?") from None
+    except OSError as e:
+        raise TracesError(f"server at {base} is not answering ({describe_os_error(e)}); start it, or check the URL") from None
     models = info["models"]
     if model is not None and model not in models:
         raise TracesError(_not_served(base, models, model))
@@ -195,6 +189,7 @@ class _ShardRun:
         self.servers = servers
         self.model = model
         self.gen = gen
+        self.retry = RetryPolicy.from_settings(gen)
         self.api_key = api_key
         self.fingerprint = fingerprint
         self.max_error_fraction = max_error_fraction
@@ -242,7 +237,7 @@ class _ShardRun:
         wall = time.monotonic() - t0
         if failure is None and len(self.errors) > self.max_errors:
             first = self.errors[0]
-            what = f"HTTP {first['status']}{_hint(first['status'], self.api_key)}" if first["status"] else "no answer"
+            what = f"HTTP {first['status']}{auth_hint(first['status'], self.api_key)}" if first["status"] else "no answer"
             failure = (f"{self.shard}: {len(self.errors)} of {len(self.prompts)} requests failed "
                        f"(more than {self.max_error_fraction:.0%}); first: {what} from {first['server']}: "
                        f"{first['body'][:300]}; all of them are in {self.errors_path}; "
@@ -260,13 +255,7 @@ class _ShardRun:
     async def _send_all(self, todo):
         """Run `concurrency` workers over `todo`; returns a failure message or None."""
         g = self.gen
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        timeout = aiohttp.ClientTimeout(total=g["request_timeout"], sock_connect=min(30.0, g["request_timeout"]))
-        connector = aiohttp.TCPConnector(limit=g["concurrency"], keepalive_timeout=KEEPALIVE_S)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
-                                         cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with open_session(self.api_key, g["concurrency"], g["request_timeout"]) as session:
             self.session = session
             try:
                 await self._preflight()
@@ -275,24 +264,15 @@ class _ShardRun:
             self.pbar = progress_bar(total=len(self.prompts), initial=len(self.index), desc=self.shard, unit="req",
                                      disable=not self.progress, smoothing=0.1)
             self.t_send = time.monotonic()
-            queue = iter(todo)  # shared by the workers; safe: one thread, no await between next() calls
-            workers = [asyncio.create_task(self._worker(queue)) for _ in range(min(g["concurrency"], len(todo)))]
+
+            async def send(prompt):
+                await self._request(prompt)
+                return not self.stopping
+
             try:
-                done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-            except BaseException:  # cancelled from outside (KeyboardInterrupt): stop the workers
-                for w in workers:
-                    w.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-                raise
-            for w in pending:
-                w.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for w in done:
-                e = w.exception()
-                if isinstance(e, TracesError):
-                    return str(e)
-                if e is not None:
-                    raise e
+                await run_workers(todo, send, g["concurrency"])
+            except TracesError as e:
+                return str(e)
         return None
 
     async def _preflight(self):
@@ -302,12 +282,12 @@ class _ShardRun:
 
         async def probe(server):
             try:
-                async with self.session.get(server.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                async with self.session.get(server.url + "/v1/models", timeout=PROBE_TIMEOUT) as r:
                     raw = await r.read()
                     if r.status != 200:
                         return r.status, raw[:300].decode("utf-8", "replace")
                     return 200, [m.get("id") for m in json.loads(raw).get("data") or []]
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except CONNECTION_ERRORS as e:
                 return None, describe_client_error(e, 30)
             except (ValueError, AttributeError, TypeError):
                 return 200, None
@@ -318,7 +298,7 @@ class _ShardRun:
                 self._mark_down(server, answer if status is None else f"HTTP {status}")
             elif status != 200:
                 raise TracesError(f"{self.shard}: server at {server.url}: GET /v1/models answered HTTP {status}"
-                                  f"{_hint(status, self.api_key)}: {answer}")
+                                  f"{auth_hint(status, self.api_key)}: {answer}")
             elif answer is not None and self.model not in answer:
                 raise TracesError(f"{self.shard}: {_not_served(server.url, answer, self.model)}")
         if all(s.down_since is not None for s in self.servers):
@@ -346,10 +326,9 @@ class _ShardRun:
                     raw = await resp.read()
                     if status != 200:
                         retry_after = resp.headers.get("Retry-After")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except CONNECTION_ERRORS as e:
                 failure = describe_client_error(e, g["request_timeout"])
-                if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                                  aiohttp.ClientOSError)):
+                if isinstance(e, CONNECTION_LOST):
                     self._mark_down(server, failure)
             else:
                 server.down_since = None
@@ -402,13 +381,7 @@ class _ShardRun:
         server.probe_at = now + self._backoff(server.failures, None)
 
     def _backoff(self, attempt, retry_after):
-        g = self.gen
-        if retry_after is not None:
-            seconds = _retry_after_seconds(retry_after)
-            if seconds is not None:
-                return min(seconds, 600.0)
-        delay = min(g["backoff_max"], g["backoff_base"] * 2 ** (attempt - 1))
-        return delay * random.uniform(0.5, 1.0)  # jitter: replicas' clients must not retry in lockstep
+        return self.retry.delay(attempt, retry_after)
 
     def _finish(self, prompt, raw, server, latency, attempt):
         try:
@@ -663,13 +636,6 @@ def _not_served(url, models, model):
             "set the model to the served name (vLLM's --served-model-name)")
 
 
-def _hint(status, api_key=None):
-    """What an HTTP status most likely means here, for error messages."""
-    if status in (401, 403):
-        return f" (refused: {key_hint(api_key)})"
-    return {404: " (check the model name and URL)"}.get(status, "")
-
-
 def _stem(path):
     name = path.name
     return name[: -len(".jsonl")] if name.endswith(".jsonl") else path.stem
@@ -695,31 +661,13 @@ def _percentile(sorted_values, q):
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def _retry_after_seconds(value):
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError, IndexError):
-        return None
+def write_stats_table(stats_paths, out_csv):
+    """The per-shard trace statistics (``traces/shard_{i}.stats.json``) as one table, a row per shard
+    and a column per figure (nested ones flattened as ``a.b``), written as CSV for notebooks; returns the
+    pandas DataFrame."""
+    import pandas as pd
 
-
-def _describe_os_error(e):
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(e, TimeoutError):
-        return "timed out"
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__
-
-
-def describe_client_error(e, request_timeout, key="generation.request_timeout"):
-    """A failed request's cause in a few words (``key``: the setting that bounds its wait)."""
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return _describe_os_error(e.os_error)
-    if isinstance(e, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
-    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return f"no answer within {request_timeout:g} s ({key})"
-    return str(e) or type(e).__name__
+    rows = [{"shard": _stem(Path(p)).removesuffix(".stats"), **json.loads(Path(p).read_text())} for p in stats_paths]
+    table = pd.json_normalize(rows)
+    write_atomic(out_csv, table.to_csv(index=False))
+    return table

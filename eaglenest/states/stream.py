@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .extract_vllm import ExtractError, StatesClient
+from ..serving.client import RetryPolicy
+from .extract import ExtractError, StatesClient
 from .hidden import shard_sequences
 
 PREFIX = "eaglenest-stream-"  # request ids of stream mode's requests (and their per-request files)
@@ -247,14 +248,15 @@ def open_stream(spec: dict) -> StreamedStates:
     ``traces``, ``url``, ``model``, ``head``, ``storage``, ``server`` (the config section: the API key), the ``hidden:`` keys
     ``max_length``, ``use_truncated``, ``concurrency``, ``request_timeout``, ``max_retries``,
     ``max_disk_gb``, ``cache``, plus ``ahead_tokens`` and ``cache_dir``."""
-    from .server import ServerConfig
+    from ..serving.settings import ServerConfig
 
     api_key = ServerConfig.from_dict(spec["server"]).api_key()
     # under torchrun each process fetches its own batches: the budget is split, each has its own
     # cache and request ids
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     client = StatesClient(url=spec["url"], model=spec["model"], storage=spec["storage"], head_path=spec["head"],
-                          request_timeout=spec["request_timeout"], max_retries=spec["max_retries"], api_key=api_key)
+                          request_timeout=spec["request_timeout"], api_key=api_key,
+                          retry=RetryPolicy.from_settings(spec))
     return StreamedStates(spec["traces"], client=client, max_length=spec["max_length"],
                           use_truncated=spec["use_truncated"], concurrency=spec["concurrency"],
                           ahead_tokens=spec["ahead_tokens"], max_disk_bytes=float(spec["max_disk_gb"]) * 1e9 / world,

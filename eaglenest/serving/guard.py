@@ -1,4 +1,4 @@
-"""An ASGI middleware vLLM loads (`--middleware eaglenest.vllm_guard.RequireApiKey`) so that a server
+"""An ASGI middleware vLLM loads (`--middleware eaglenest.serving.guard.RequireApiKey`) so that a server
 with an API key refuses every route without it, not only vLLM's guarded prefixes.
 
 vLLM 0.32 checks its key (VLLM_API_KEY) only on paths under /v1, /v2, /inference and /cohere. Measured
@@ -25,7 +25,7 @@ class RequireApiKey:
     def __init__(self, app) -> None:
         key = os.environ.get("VLLM_API_KEY")
         if not key:  # started without a key: refuse to serve at all rather than serve openly
-            raise RuntimeError("eaglenest.vllm_guard.RequireApiKey: VLLM_API_KEY is not set")
+            raise RuntimeError("eaglenest.serving.guard.RequireApiKey: VLLM_API_KEY is not set")
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()
 

@@ -20,39 +20,23 @@ import io
 import json
 import math
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .config import defaults
-from .errors import EaglenestError
-from .hidden import HiddenShards
-from .model import FLEX_BLOCK, DraftConfig, Eagle3Draft, token_embeds_ids, ttt_loss_plan
+from ..states.hidden import HiddenShards
+from ..states.target import load_target_head, resolve_device
+from ..util import atomic_path, progress_bar, say, write_atomic
+from .batches import BatchLoader, count_steps, loss_rows, run_shapes
+from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .model import Eagle3Draft
 from .optim import MasterAdamW, clip_and_step
-from .target import load_target_head, resolve_device
-from .util import atomic_path, progress_bar, save_safetensors, say, write_atomic
 from .vocab import load_vocab
-
-CHECKPOINT_FORMAT = "eaglenest.draft/1"
-
-# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
-# documents each one and holds its default (the only place it is written).
-DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
-            "norm_before_residual": defaults("draft")["norm_before_residual"]}
 
 AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grads", "diag_split", "skip_unscored")  # the model's settings (set_runtime)
 FLEX_ONLY = ("split_step_grads", "diag_split")  # AUTO_KEYS that only the flex path has
-
-
-def resolve_config(config):
-    unknown = sorted(set(config or {}) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown training config keys {unknown}; known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **(config or {})}
 
 
 def resolve_runtime(cfg, device):
@@ -71,10 +55,9 @@ def resolve_runtime(cfg, device):
     if out["bf16_weights"] == "auto":
         out["bf16_weights"] = cuda
     if out["recompute"] == "auto":
-        # Recomputing the TTT steps costs about a sixth of the step's FLOPs and saves ~0.3 GiB of
-        # activations a step at Llama-3.1-8B sizes (~0.5 at Kimi-K2.5's); a trained lm_head costs
-        # more than that in gradient and AdamW state (1.5 / 2.6 GiB), so recompute only then (the
-        # default freezes it: see freeze_lm_head in the schema).
+        # Recomputing the TTT steps costs FLOPs and saves less memory than a trained lm_head's gradient
+        # and AdamW state take (benchmarks/RESULTS.md, "Figures moved out of code comments"), so
+        # recompute only then (the default freezes it: see freeze_lm_head in the schema).
         out["recompute"] = cuda and not out["freeze_lm_head"]
     for key in FLEX_ONLY:
         if out[key] == "auto":
@@ -108,105 +91,6 @@ def set_runtime(model, cfg, world=1):
     model.split_step_grads = cfg["split_step_grads"] and world == 1
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
-def batch_padding(cfg):
-    """``(pad_to, fixed_rows)``: the flex path pads T to a multiple of FLEX_BLOCK; compiled, a batch
-    also gets ``batch_tokens // T`` rows (empty ones carry no loss), so that there is one shape, and
-    one compiled graph, per padded length."""
-    if cfg.get("attention") != "flex":
-        return 1, False
-    return FLEX_BLOCK, cfg.get("compile") is True
-
-
-def padded_shape(longest, n_seqs, cfg):
-    """[B, T] of a micro-batch of ``n_seqs`` sequences, the longest ``longest`` tokens long."""
-    pad_to, fixed = batch_padding(cfg)
-    T = _round_up(longest, pad_to)
-    if not fixed:
-        return n_seqs, T
-    rows = max(1, cfg["batch_tokens"] // T)
-    if cfg["batch_size"]:
-        rows = min(rows, cfg["batch_size"])
-    return max(rows, n_seqs), T
-
-
-def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
-    """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
-    keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
-    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in keys})
-
-
-def epoch_batches(lengths, epoch, seed, batch_tokens, batch_size=None, window=1024, pad_to=1):
-    """Micro-batches (lists of sequence indices) of one epoch, a function of (seed, epoch) only.
-
-    Shuffle, sort each window of ``window`` sequences by length (little padding), pack greedily so
-    that sequences x longest (rounded up to ``pad_to``) <= batch_tokens, then shuffle the batches.
-    """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=g).tolist()
-    batches = []
-    for w in range(0, len(order), window):
-        cur = []
-        for k in sorted(order[w : w + window], key=lambda k: lengths[k]):
-            longest = _round_up(max(lengths[cur[-1]], lengths[k]) if cur else lengths[k], pad_to)
-            if cur and ((len(cur) + 1) * longest > batch_tokens or (batch_size and len(cur) >= batch_size)):
-                batches.append(cur)
-                cur = []
-            cur.append(k)
-        if cur:
-            batches.append(cur)
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def micro_batch_stream(lengths, cfg, start=0):
-    """Endless ``(epoch, batch)`` over the epochs, from global micro-batch ``start`` on."""
-    m, epoch = 0, 0
-    while True:
-        batches = epoch_batches(lengths, epoch, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=batch_padding(cfg)[0])
-        if m + len(batches) <= start:
-            m += len(batches)
-        else:
-            for b in batches[max(0, start - m) :]:
-                yield epoch, b
-            m += len(batches)
-        epoch += 1
-
-
-def load_batch(shards, seq_ids, cfg=None, pin=False):
-    """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H],
-    and target_next [B, T] where the shards have it (B, T: ``padded_shape`` under ``cfg``, else the
-    sequences and the longest); ``pin``: page-locked, for asynchronous copies to the GPU."""
-    items = [shards[k] for k in seq_ids]
-    longest = max(len(it["input_ids"]) for it in items)
-    B, T = padded_shape(longest, len(items), cfg) if cfg else (len(items), longest)
-    def new(*shape, dtype):
-        return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-    out = {
-        "input_ids": new(B, T, dtype=torch.int64),
-        "loss_mask": new(B, T, dtype=torch.bool),
-        "aux_hidden": new(B, T, items[0]["aux_hidden"].shape[1], dtype=items[0]["aux_hidden"].dtype),
-        "last_hidden": new(B, T, items[0]["last_hidden"].shape[1], dtype=items[0]["last_hidden"].dtype),
-    }
-    if "target_next" in items[0]:
-        out["target_next"] = new(B, T, dtype=torch.int32)
-    for b, it in enumerate(items):
-        for name, t in it.items():
-            out[name][b, : len(t)] = t
-    return out
-
-
-def loss_rows(loss_mask):
-    """Flat indices b*T + q of the positions q whose next token is a completion token."""
-    pred = torch.zeros_like(loss_mask)
-    pred[:, :-1] = loss_mask[:, 1:]  # position q predicts token q+1
-    return pred.flatten().nonzero().squeeze(1)
-
-
-@torch.no_grad()
 def target_distribution(last_hidden, loss_mask, lm_head_weight, draft_ids, t2d, max_elements=2**27, rows=None,
                         target_next=None):
     """The targets of ``model.ttt_loss``, from the target's post-norm last hidden state [B, T, H].
@@ -269,146 +153,6 @@ def lr_at(step, cfg, total_steps):
     return cfg["lr"] * (cfg["min_lr_ratio"] + (1 - cfg["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _count_steps(lengths, cfg, world):
-    if cfg["max_steps"]:
-        return int(cfg["max_steps"])
-    epochs = float(cfg["epochs"])  # may be fractional: the last epoch is then partly used
-    pad_to = batch_padding(cfg)[0]
-    counts = [len(epoch_batches(lengths, e, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=pad_to)) for e in range(math.ceil(epochs))]
-    micro = sum(counts[: int(epochs)]) + (round((epochs - int(epochs)) * counts[-1]) if epochs % 1 else 0)
-    return max(1, micro // (cfg["grad_accum"] * world))
-
-
-class BatchLoader:
-    """This rank's micro-batches: read by a background thread ``prefetch`` ahead, in host memory.
-
-    The thread walks ``micro_batch_stream`` (every rank walks the same stream and keeps its own
-    batches), reads the sequences from the memory-mapped shards into page-locked host memory, looks
-    up the target's embeddings of the tokens the TTT reads, and finds the loss rows (and the fused
-    loss's plan) on the host. On CUDA, ``next()`` hands out a batch whose copy to the device was
-    started one call earlier, on a copy stream, with non-blocking copies and an event the compute
-    stream waits on: neither the read, nor the copy, nor an index computation stalls the step, and
-    only two batches are on the device at once.
-    """
-
-    def __init__(self, shards, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
-        self.shards, self.lengths, self.cfg, self.embed_table = shards, lengths, cfg, embed_table
-        self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
-        self.device = torch.device(device)
-        self.on_gpu = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
-        self.staged = None  # the next batch, its copy to the device under way
-        self.stream = micro_batch_stream(lengths, cfg, start=start)
-        if hasattr(shards, "follow"):  # streamed states: fetched in the order this rank reads them
-            shards.follow(self._order(lengths, cfg, start, count, rank, world))
-        self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="train_draft-loader", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _order(lengths, cfg, start, count, rank, world):
-        """The sequence indices this rank's ``count`` micro-batches read, in reading order."""
-        stream = micro_batch_stream(lengths, cfg, start=start)
-        for _ in range(count):
-            for r in range(world):
-                _, seq_ids = next(stream)
-                if r == rank:
-                    yield from seq_ids
-
-    def _put(self, item):
-        while not self.stopping.is_set():
-            try:
-                self.queue.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def _host_batch(self, seq_ids):
-        batch = load_batch(self.shards, seq_ids, self.cfg, pin=self.on_gpu)
-        B, T = batch["input_ids"].shape
-        ids = token_embeds_ids(batch["input_ids"], self.ttt_length)  # [B, T+J-1]
-        H = self.embed_table.shape[1]
-        batch["embeds"] = torch.empty(*ids.shape, H, dtype=self.embed_table.dtype, pin_memory=self.on_gpu)
-        torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
-        batch["rows"] = loss_rows(batch["loss_mask"])
-        if self.cfg["fused_loss"] or self.cfg["skip_unscored"]:  # skip_unscored: the plan's chains
-            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T, chains=self.cfg["skip_unscored"])
-        if self.on_gpu:
-            batch["rows"] = batch["rows"].pin_memory()
-            if "plan" in batch:
-                batch["plan"] = {k: v.pin_memory() for k, v in batch["plan"].items()}
-        return batch
-
-    def _run(self):
-        try:
-            for _ in range(self.count):
-                tokens = 0
-                for r in range(self.world):
-                    epoch, seq_ids = next(self.stream)
-                    tokens += sum(self.lengths[k] for k in seq_ids)
-                    if r == self.rank:
-                        mine = seq_ids
-                self._put((epoch, tokens, self._host_batch(mine)))
-                if self.stopping.is_set():
-                    return
-        except BaseException as e:  # handed to the training loop, which raises it
-            self._put(e)
-
-    def _stage(self, block):
-        """Take the next host batch and start its copy to the device (CUDA); False if none is ready."""
-        while True:
-            try:
-                item = self.queue.get(timeout=5) if block else self.queue.get_nowait()
-                break
-            except queue.Empty:
-                if not block:
-                    return False
-                if not self.thread.is_alive() and self.queue.empty():
-                    raise RuntimeError("train_draft: the batch loader thread ended without a batch") from None
-        if isinstance(item, EaglenestError):
-            raise item  # says what failed and what to do (the extraction server of stream mode)
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"train_draft: reading a batch from {[str(p) for p in self.shards.paths]} failed: {item}") from item
-        epoch, tokens, batch = item
-        event = None
-        if self.on_gpu:
-            with torch.cuda.stream(self.copy_stream):
-                batch = _tree_map(lambda t: t.to(self.device, non_blocking=True), batch)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-        self.staged = (epoch, tokens, batch, event)
-        return True
-
-    def next(self):
-        """``(epoch, tokens of all ranks' micro-batches, batch on the device)``."""
-        if self.staged is None:
-            self._stage(block=True)
-        epoch, tokens, batch, event = self.staged
-        self.staged = None
-        if event is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(event)
-            _tree_map(lambda t: t.record_stream(compute), batch)  # made on the copy stream, used here
-            self._stage(block=False)  # the next batch's copy overlaps this step, when it is read already
-        return epoch, tokens, batch
-
-    def close(self):
-        self.stopping.set()
-        if hasattr(self.shards, "follow"):
-            self.shards.close()
-        while self.thread.is_alive():
-            try:
-                self.queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        self.thread.join()
-
-
-def _tree_map(fn, batch):
-    return {k: ({kk: fn(vv) for kk, vv in v.items()} if isinstance(v, dict) else fn(v)) for k, v in batch.items()}
-
-
 def configure_compile(shapes):
     """Let dynamo compile one graph of the TTT step per batch shape of the run, and fail past that
     instead of silently running the rest eagerly (its default once the recompile limit is hit)."""
@@ -428,15 +172,6 @@ def configure_compile(shapes):
     setattr(c, limit, max(getattr(c, limit), needed))
     setattr(c, total, max(getattr(c, total), 4 * needed))
     setattr(c, key("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)
-
-
-def run_shapes(lengths, cfg, start, count, world):
-    """The padded [B, T] shapes of the micro-batches ``start .. start + count*world``."""
-    shapes, stream = set(), micro_batch_stream(lengths, cfg, start=start)
-    for _ in range(count * world):
-        _, ids = next(stream)
-        shapes.add(padded_shape(max(lengths[k] for k in ids), len(ids), cfg))
-    return shapes
 
 
 def _fingerprint(cfg, shards, vocab_path, head_path, world):
@@ -498,7 +233,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     head, info = load_target_head(head_path)
     d2t, t2d = load_vocab(vocab_path)
     if stream is not None:
-        from .stream import open_stream
+        from ..states.stream import open_stream
 
         shards = open_stream(stream)
     else:
@@ -547,7 +282,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         trainable = ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
 
     lengths = [shards.length(k) for k in range(len(shards))]
-    total_steps = _count_steps(lengths, cfg, world)
+    total_steps = count_steps(lengths, cfg, world)
     accum, J = cfg["grad_accum"], cfg["ttt_length"]
     fingerprint = _fingerprint(cfg, shards, vocab_path, head_path, world)
     state_dir = Path(state_dir)
@@ -692,13 +427,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     if rank == 0:
         weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-        metadata = {
-            "format": CHECKPOINT_FORMAT,
-            "draft_config": json.dumps(dcfg.to_dict()),
-            "target": json.dumps(info),
-            "train": json.dumps({**stats, "config": cfg}, default=str),
-        }
-        save_safetensors(tensors, out_path, metadata)
+        save_checkpoint(out_path, tensors, dcfg, info, {**stats, "config": cfg})
         _write_metrics(metrics_path, rows)
         for path in _state_files(state_dir):  # the run is complete: its resume points are not
             path.unlink(missing_ok=True)
@@ -713,23 +442,11 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     return stats
 
 
-def load_checkpoint(path):
-    """``(tensors, draft_config, target_info, train_stats)`` of a train_draft checkpoint."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return tensors, DraftConfig(**json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
-
-
 def main(argv=None):
-    """`python -m eaglenest.train ...`: the entry point torchrun starts once per process."""
+    """`python -m eaglenest.draft.train ...`: the entry point torchrun starts once per process."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m eaglenest.train")
+    p = argparse.ArgumentParser(prog="python -m eaglenest.draft.train")
     p.add_argument("--hidden", nargs="*", default=[])
     p.add_argument("--stream", default=None, help="hidden.mode stream: stream.open_stream's settings as JSON")
     p.add_argument("--vocab", required=True)

@@ -12,7 +12,7 @@ from scratch is slow and fragile, so the build trains a 4-layer model first, gro
 with the new layers' output projections at zero (the deep model computes exactly the shallow one's
 function), then trains the deep model briefly so that every layer takes part.
 
-    python -m eaglenest.toy --out toy/target --prompts toy/prompts.jsonl --seed 0
+    python toy/build.py --out toy/target --prompts toy/prompts.jsonl --seed 0
 """
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ def read_prompts(path) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m eaglenest.toy", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python toy/build.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="toy/target", help="model directory to write")
     ap.add_argument("--prompts", default="toy/prompts.jsonl", help="prompts file to write")
     ap.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .vllm_format import aux_layers as choose_aux_layers
+from ..serving.vllm import aux_layers as choose_aux_layers
 
 HEAD_FORMAT = "eaglenest.target_head/1"
 
@@ -163,7 +163,7 @@ def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
             "norm.weight": decoder_of(model).norm.weight,
         }
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    from .util import save_safetensors
+    from ..util import save_safetensors
 
     save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
     Path(head_path).with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")

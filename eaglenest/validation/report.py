@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .config import defaults
+from ..config import defaults
+from ..draft.vllm_format import config_value, flat_config, state_dict_from_vllm
 from .matrix import matrix_findings, matrix_html, write_csv
 from .plots import bar_chart, esc, line_chart
-from .vllm_format import config_value, flat_config, state_dict_from_vllm
 
 
 
@@ -97,7 +97,7 @@ def cross_checks(target, prompts, runs, generation, offline) -> dict:
     try:
         from transformers import AutoTokenizer
 
-        from .target import chat_prompt_ids
+        from ..states.target import chat_prompt_ids
 
         tok = AutoTokenizer.from_pretrained(target)
         mismatches = sum(
@@ -201,8 +201,8 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
 def export_differences(export_dir, checkpoint_path) -> list[str]:
     """How the exported draft (what vLLM loads) differs from the training checkpoint: config keys
     vLLM reads, d2t, and every weight (compared in the export's dtype). Empty when they agree."""
-    from .export import load_exported
-    from .train import load_checkpoint
+    from ..draft.checkpoint import load_checkpoint
+    from ..draft.export import load_exported
 
     config, tensors = load_exported(export_dir)
     raw, config = config, flat_config(config)  # either format, as vLLM reads it

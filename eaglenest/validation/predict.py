@@ -13,16 +13,17 @@ import time
 
 import torch
 
-from .errors import ValidationError
-from .util import progress_bar
-from .vllm_format import acceptance, draft_config_from_json, served_aux_layers, state_dict_from_vllm
+from ..draft.vllm_format import draft_config_from_json, served_aux_layers, state_dict_from_vllm
+from ..errors import ValidationError
+from ..serving.vllm import acceptance
+from ..util import progress_bar
 
 
 def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device="cpu"):
     """The exported draft as vLLM reads it (config.json keys, vLLM's defaults where absent) in an
     ``Eagle3Draft``, with the target's embedding. Returns ``(model, config)``."""
-    from .export import load_exported
-    from .model import Eagle3Draft
+    from ..draft.export import load_exported
+    from ..draft.model import Eagle3Draft
 
     config, tensors = load_exported(draft_dir)
     cfg = draft_config_from_json(config)
@@ -86,7 +87,7 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
     share of completion tokens that the transformers target would also choose (below 1: the
     sequences are not this target's greedy answers, e.g. served in another dtype).
     """
-    from .target import greedy_sequences, load_target, resolve_device, target_states
+    from ..states.target import greedy_sequences, load_target, resolve_device, target_states
 
     t0 = time.time()
     device = resolve_device(device)

@@ -27,9 +27,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .config import defaults
-from .errors import PromptsError, RowError
-from .util import progress_bar, say, write_atomic
+from ..config import defaults
+from ..errors import PromptsError, RowError
+from ..util import progress_bar, say, write_atomic
 
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")

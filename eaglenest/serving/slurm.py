@@ -9,11 +9,11 @@ and log are kept in `logs/server/slurm.job.json` (the local mode's pidfile, for 
 
 vLLM listens on 0.0.0.0 so jobs on other nodes reach it at http://NODE:PORT, where NODE is the
 node's address as SLURM knows it (NodeAddr), so the server always requires an API key (the user's,
-else the run's own: server.run_key). The key goes to the job by environment only: it is in sbatch's
+else the run's own: serving.settings.run_key). The key goes to the job by environment only: it is in sbatch's
 own environment (sbatch --export=ALL), never on sbatch's command line, in the batch script, the
-record or a log. The rule jobs that talk to the server read it as the workflow does (server.api_key).
+record or a log. The rule jobs that talk to the server read it as the workflow does (ServerConfig.api_key).
 
-A watchdog (`python -m eaglenest.slurm watch ...`) cancels the job when the workflow process that
+The watchdog (serving.backend, `Backend.watch`) cancels the job when the workflow process that
 asked for it dies, so an idle GPU job does not outlive its workflow until its time limit.
 """
 
@@ -27,15 +27,16 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import schema_field
-from .errors import ConfigError, ServerError
-from .server import ServerConfig, alive, check_model_path, launch_env, log_tail, probe, signal_group, vllm_command
-from .util import say, write_atomic
+from ..config import schema_field
+from ..errors import ConfigError, ServerError
+from ..util import say, write_atomic
+from .backend import Backend, log_tail, signal_group, watchdog_command
+from .local import launch_env, vllm_command
+from .settings import ServerConfig, check_model_path
 
 JOB_PREFIX = "eaglenest-server-"
 # States in which a job may still serve; anything else means it has ended (or is ending).
@@ -45,7 +46,6 @@ NEVER_STARTS = {"PartitionConfig", "PartitionTimeLimit", "PartitionNodeLimit", "
                 "BadConstraints", "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit",
                 "DependencyNeverSatisfied"}
 CANCEL_GRACE_S = 60.0
-REPORT_EVERY_S = 30.0
 
 
 @dataclass
@@ -287,80 +287,12 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
                   "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
         log(f"submitted vLLM as SLURM job {job_id} ({name}); log: {record['log']}")
     if workflow_pid and not cfg.keep_server and record.get("workflow_pid") != workflow_pid:
-        watchdog = subprocess.Popen(
-            [sys.executable, "-m", "eaglenest.slurm", "watch", "--workflow-pid", str(workflow_pid),
-             "--job-id", record["job_id"], "--log-dir", str(paths.log_dir.resolve())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        watchdog = subprocess.Popen(watchdog_command("slurm", workflow_pid, record["job_id"], paths.log_dir),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
         record.update(workflow_pid=workflow_pid, watchdog_pid=watchdog.pid)
     write_atomic(paths.record, record, indent=1)
     return record
-
-
-# ---------------------------------------------------------------------------------------------
-# Waiting
-
-
-def slurm_wait_ready(cfg: ServerConfig, paths: SlurmPaths, log=say) -> dict:
-    """Wait until the server job runs and serves the model; returns what server.ready holds.
-
-    Queue time is unbounded (reported every 30 s with SLURM's reason, and fatal when the reason says
-    the job can never start); `server.ready_timeout` counts from the moment the job runs. A job that
-    leaves the queue (FAILED, CANCELLED, TIMEOUT, ...) fails within one poll, with its log's tail."""
-    record = read_record(paths)
-    if record is None:
-        raise ServerError(f"no server job record at {paths.record}: submit the server first (submit_server)")
-    job_id, model, api_key = record["job_id"], cfg.model_id, cfg.api_key()
-    url, running_since, last_report, queued_s = record.get("url"), None, -REPORT_EVERY_S, 0.0
-    t0 = time.monotonic()
-    while True:
-        info = job_info(job_id)
-        if info is None or info["state"] not in ALIVE:
-            paths.record.unlink(missing_ok=True)
-            raise ServerError(f"the vLLM server job {job_id} ({record['name']}) ended before it served '{model}': "
-                              f"{_end_summary(job_id, info)}. Last lines of {record['log']}:\n"
-                              f"{log_tail(record['log'])}")
-        now = time.monotonic()
-        if info["state"] != "RUNNING":
-            if info["reason"] in NEVER_STARTS:
-                _slurm(["scancel", job_id], check=False)
-                paths.record.unlink(missing_ok=True)
-                raise ServerError(f"SLURM will never start the server job {job_id}: {info['reason']}. Fix "
-                                  f"server.slurm (partition, account, time, gpus, extra_sbatch_args) and rerun")
-            if now - last_report >= REPORT_EVERY_S:
-                why = f" ({info['reason']})" if info["reason"] not in ("", "None") else ""
-                log(f"SLURM job {job_id} is {info['state']}{why} after {now - t0:.0f} s")
-                last_report = now
-        else:
-            if running_since is None or info["node"] != record.get("node"):  # started, or requeued elsewhere
-                running_since, queued_s = now, now - t0
-                url = f"http://{node_address(info['node'])}:{record['port']}"
-                record.update(node=info["node"], url=url)
-                write_atomic(paths.record, record, indent=1)
-                log(f"SLURM job {job_id} runs on {info['node']}; waiting for {url}")
-            try:
-                served = probe(url, api_key, timeout=min(10.0, cfg.poll_interval + 5))
-            except (OSError, ValueError):
-                served = None
-            if served is not None:
-                if model not in served["models"]:
-                    raise ServerError(f"{url} serves {served['models']}, not '{model}': set server.served_model_name "
-                                      f"(or server.model) to the name the server reports")
-                break
-            if now - running_since > cfg.ready_timeout:
-                raise ServerError(f"{url} (SLURM job {job_id}) did not serve '{model}' within server.ready_timeout="
-                                  f"{cfg.ready_timeout:g} s of starting. Last lines of {record['log']}:\n"
-                                  f"{log_tail(record['log'])}")
-            if now - last_report >= REPORT_EVERY_S:
-                log(f"waiting for {url} ({now - running_since:.0f} s since SLURM job {job_id} started)")
-                last_report = now
-        time.sleep(cfg.poll_interval)
-    ready = {"mode": "slurm", "urls": [url], "model": model, "max_model_len": served["max_model_len"].get(model),
-             "version": served["version"], "seconds_to_ready": round(time.time() - record["submitted_at"], 1),
-             "seconds_queued": round(queued_s, 1), "ready_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "slurm_job_id": job_id, "node": record["node"], "log": record["log"]}
-    log(f"server ready: {url} (SLURM job {job_id} on {record['node']}) serves '{model}' "
-        f"after {ready['seconds_to_ready']} s")
-    return ready
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,44 +326,82 @@ def cancel_server(paths: SlurmPaths, grace_s: float = CANCEL_GRACE_S, log=say) -
     return was_alive
 
 
-def watch(workflow_pid: int, job_id: str, log_dir: Path, interval: float = 10.0) -> None:
-    """Cancel the job when the workflow process dies; return once the job has ended."""
-    paths = SlurmPaths(log_dir)
-    while True:
-        try:
-            info = job_info(job_id)
-        except ServerError:
-            info = {"state": "UNKNOWN"}  # slurmctld briefly unreachable: look again later
-        if info is None or info["state"] not in ALIVE | {"UNKNOWN"}:
-            return
-        if not alive(workflow_pid):
-            record = read_record(paths)
-            if record and record["job_id"] == job_id:
-                cancel_server(paths, log=lambda *_: None)
-            else:
+class SlurmServer(Backend):
+    """The server job this workflow submits (`submit_server`, `cancel_server`). Queue time is unbounded
+    (reported every 30 s with SLURM's reason, fatal when the reason says the job can never start);
+    `server.ready_timeout` counts from the moment the job runs. A job that leaves the queue (FAILED,
+    CANCELLED, TIMEOUT, ...) fails within one poll, with its log's tail."""
+
+    mode = "slurm"
+    REPORT_EVERY_S = 30.0
+
+    def __init__(self, cfg: ServerConfig | None, paths: SlurmPaths):
+        super().__init__(cfg)
+        self.paths = paths
+        self.record, self.running_since, self.queued_s, self.last_report = None, None, 0.0, -self.REPORT_EVERY_S
+
+    def start(self, *, sentinel=None, workflow_pid=None, log=say) -> None:
+        submit_server(self.cfg, self.cfg.slurm, self.paths, sentinel=sentinel, workflow_pid=workflow_pid, log=log)
+
+    def stop(self, log=say) -> bool:
+        return cancel_server(self.paths, log=log)
+
+    def begin_wait(self) -> float:
+        self.record = read_record(self.paths)
+        if self.record is None:
+            raise ServerError(f"no server job record at {self.paths.record}: submit the server first (submit_server)")
+        return self.record["submitted_at"]
+
+    def poll(self, log):
+        record, job_id = self.record, self.record["job_id"]
+        info = job_info(job_id)
+        if info is None or info["state"] not in ALIVE:
+            self.paths.record.unlink(missing_ok=True)
+            raise ServerError(f"the vLLM server job {job_id} ({record['name']}) ended before it served "
+                              f"'{self.cfg.model_id}': {_end_summary(job_id, info)}. Last lines of {record['log']}:\n"
+                              f"{log_tail(record['log'])}")
+        now = time.monotonic()
+        if info["state"] != "RUNNING":
+            if info["reason"] in NEVER_STARTS:
                 _slurm(["scancel", job_id], check=False)
-            return
-        time.sleep(interval)
+                self.paths.record.unlink(missing_ok=True)
+                raise ServerError(f"SLURM will never start the server job {job_id}: {info['reason']}. Fix "
+                                  f"server.slurm (partition, account, time, gpus, extra_sbatch_args) and rerun")
+            if now - self.last_report >= self.REPORT_EVERY_S:
+                why = f" ({info['reason']})" if info["reason"] not in ("", "None") else ""
+                log(f"SLURM job {job_id} is {info['state']}{why} after {now - self.wait_started:.0f} s")
+                self.last_report = now
+            return None
+        if self.running_since is None or info["node"] != record.get("node"):  # started, or requeued elsewhere
+            self.running_since, self.queued_s = now, now - self.wait_started
+            record.update(node=info["node"], url=f"http://{node_address(info['node'])}:{record['port']}")
+            write_atomic(self.paths.record, record, indent=1)
+            log(f"SLURM job {job_id} runs on {info['node']}; waiting for {record['url']}")
+        return [record["url"]], self.running_since
 
+    def where(self) -> str:
+        return f" (SLURM job {self.record['job_id']} on {self.record.get('node')})"
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+    def progress_note(self) -> str:
+        return " since the SLURM job started"
 
-    p = argparse.ArgumentParser(prog="python -m eaglenest.slurm")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    w = sub.add_parser("watch", help="cancel the server job when the workflow process dies")
-    w.add_argument("--workflow-pid", type=int, required=True)
-    w.add_argument("--job-id", required=True)
-    w.add_argument("--log-dir", type=Path, required=True)
-    w.add_argument("--interval", type=float, default=10.0)
-    c = sub.add_parser("cancel", help="cancel the server job submitted by the workflow in this directory")
-    c.add_argument("--log-dir", type=Path, default=Path("logs/server"))
-    args = p.parse_args(argv)
-    if args.cmd == "watch":
-        watch(args.workflow_pid, args.job_id, args.log_dir, args.interval)
-    else:
-        print("cancelled" if cancel_server(SlurmPaths(args.log_dir)) else "no server job running")
+    def timeout_note(self) -> str:
+        return f" of starting. Last lines of {self.record['log']}:\n{log_tail(self.record['log'])}"
 
+    def ready_facts(self) -> dict:
+        r = self.record
+        return {"seconds_queued": round(self.queued_s, 1), "slurm_job_id": r["job_id"], "node": r["node"], "log": r["log"]}
 
-if __name__ == "__main__":
-    main()
+    def running(self, ident: str) -> bool:
+        try:
+            info = job_info(ident)
+        except ServerError:
+            return True  # slurmctld briefly unreachable: look again later
+        return info is not None and info["state"] in ALIVE
+
+    def owns(self, ident: str) -> bool:
+        record = read_record(self.paths)
+        return bool(record) and record["job_id"] == ident
+
+    def stop_orphan(self, ident: str) -> None:
+        _slurm(["scancel", ident], check=False)

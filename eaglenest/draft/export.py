@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .util import save_safetensors, say
-from .model import DraftConfig, Eagle3Draft
+from ..util import save_safetensors, say
+from .config import DraftConfig
+from .model import Eagle3Draft
 from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
                           speculators_config_json, verifier_is_path, verifier_of, vllm_tensors)
 
@@ -112,7 +113,7 @@ def write_validation(draft_dir, report: dict, fmt: str) -> None:
         "",
     ]
     if report.get("matrix"):
-        from .matrix import matrix_markdown  # pandas: only where a report has a matrix
+        from ..validation.matrix import matrix_markdown  # pandas: only where a report has a matrix
 
         lines += matrix_markdown(report["matrix"])
     tmp = path.with_name(path.name + ".partial")
@@ -147,7 +148,7 @@ def export_draft(checkpoint_path, out_dir=None, *, speculators_dir=None, card=No
     format (verifier ``verifier``, default the target; ``k`` speculative tokens); ``card`` adds rows
     and front matter (``target``, ``dataset``, ``license``) to the model cards. Returns the config
     written last."""
-    from .train import load_checkpoint
+    from .checkpoint import load_checkpoint
 
     tensors, cfg, info, train = load_checkpoint(checkpoint_path)
     config = None
@@ -162,8 +163,8 @@ def export_draft(checkpoint_path, out_dir=None, *, speculators_dir=None, card=No
 def export_untrained(vocab_path, head_path, out_dir, *, config=None, seed=0, card=None, dtype="bfloat16") -> dict:
     """Export a randomly initialised draft of the shape ``train_draft`` would make with ``config``
     (the training config dict): the baseline of the acceptance test. Returns the config."""
-    from .target import load_target_head
-    from .train import draft_config, resolve_config
+    from ..states.target import load_target_head
+    from .checkpoint import draft_config, resolve_config
     from .vocab import load_vocab
 
     head, info = load_target_head(head_path)

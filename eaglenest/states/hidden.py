@@ -41,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import DiskSpaceError
+from ..errors import DiskSpaceError
+from ..util import progress_bar, say
 from .target import AuxCapture, decoder_of, greedy_next, load_target, target_info
-from .util import progress_bar, say
 
 FORMAT = "eaglenest.hidden/1"
 STORE_DTYPE = torch.bfloat16
@@ -146,17 +146,21 @@ def estimate_bytes(num_tokens, num_seqs, hidden_size, num_aux=3) -> int:
     return num_tokens * per_token + (num_seqs + 1) * 8 + 4096
 
 
-def check_free_disk(path, needed) -> int:
-    """Raise DiskSpaceError unless the filesystem holding ``path`` has ``needed`` bytes free."""
-    where = Path(path).resolve().parent
-    where.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(where).free
-    if free < needed:
-        raise DiskSpaceError(
-            f"not enough free disk for {path}: needs {needed:,} bytes ({needed / 2**30:.2f} GiB), "
-            f"{free:,} bytes ({free / 2**30:.2f} GiB) free in {where}; free space or lower max_length"
-        )
-    return free
+def check_free_disk(needs: dict, what, hint="free space or lower max_length") -> None:
+    """Raise DiskSpaceError unless each filesystem has room for what goes there: ``needs`` maps a
+    directory to the bytes that will be written under it, summed where directories share one."""
+    wants = {}
+    for where, want in needs.items():
+        where = Path(where)
+        where.mkdir(parents=True, exist_ok=True)
+        first, total = wants.get(os.stat(where).st_dev, (where, 0))
+        wants[os.stat(where).st_dev] = (first, total + max(0, want))
+    for where, want in wants.values():
+        free = shutil.disk_usage(where).free
+        if free < want:
+            raise DiskSpaceError(
+                f"not enough free disk for {what}: needs {want:,} bytes ({want / 2**30:.2f} GiB) in {where}, "
+                f"{free:,} bytes ({free / 2**30:.2f} GiB) free; {hint}")
 
 
 class ShardWriter:
@@ -267,7 +271,7 @@ def extract_hidden(
     n_tokens = int(offsets[-1])
     needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
     say(f"extract_hidden: {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, about {needed / 2**30:.3f} GiB on disk")
-    check_free_disk(out_path, needed)
+    check_free_disk({Path(out_path).resolve().parent: needed}, out_path)
 
     if model is None:
         model = load_target(target, device=device, dtype=dtype)

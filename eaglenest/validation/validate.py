@@ -28,19 +28,23 @@ import threading
 import time
 from pathlib import Path
 
-from .config import defaults
-from .errors import ServerError, TracesError, ValidationError
+from ..config import defaults
+from ..data.traces import GENERATION_DEFAULTS, answer_prompts
+from ..draft.export import write_validation
+from ..draft.vllm_format import flat_config, launch
+from ..errors import ServerError, TracesError, ValidationError
+from ..serving.lifecycle import wait_ready
+from ..serving.local import LocalPaths, start_local, stop_local
+from ..serving.probe import get_text
+from ..serving.settings import ServerConfig
+from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
+                            speculative_config, supported_version_note, vllm_version)
+from ..states.target import load_target
 from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores
 from .matrix import build_matrix
 from .predict import offline_acceptance
-from .export import write_validation
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
-from .server import LocalPaths, ServerConfig, get_text, start_local, stop_local, wait_ready
-from .target import load_target
-from .traces import GENERATION_DEFAULTS, answer_prompts
-from .vllm_format import (SPECULATIVE_CONFIG_FLAGS, acceptance, flat_config, kv_cache_facts, launch, served_dtype,
-                          spec_counters, speculative_config, supported_version_note, vllm_version)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .config import defaults
+from ..config import defaults
 
 # The bounds' defaults: validate.lossless_z and validate.lossless_tolerance in the schema.
 Z_MAX = defaults("validate")["lossless_z"]

@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 
 CONNECTOR = "EaglenestHiddenStatesConnector"
-MODULE = __name__  # "eaglenest.vllm_connector": what kv_connector_module_path names
+MODULE = __name__  # "eaglenest.serving.connector": what kv_connector_module_path names
 UPSTREAM = "ExampleHiddenStatesConnector"
 UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .hidden import iter_trace_tokens
-from .util import save_safetensors, say
+from ..states.hidden import iter_trace_tokens
+from ..util import save_safetensors, say
 from .vllm_format import d2t_from_target_ids, draft_to_target_ids
 
 

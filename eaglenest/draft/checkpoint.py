@@ -1,0 +1,54 @@
+"""The draft checkpoint that train_draft writes (``draft/checkpoint.safetensors``): the draft's vLLM
+tensors, with its DraftConfig, the target's facts and the run's statistics in the metadata; and the
+training config it was made with. It sits low, so export and the report read a checkpoint without
+importing the trainer."""
+
+import json
+
+from ..config import defaults
+from ..util import save_safetensors
+from .config import DraftConfig
+
+CHECKPOINT_FORMAT = "eaglenest.draft/1"
+
+# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
+# documents each one and holds its default (the only place it is written).
+DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
+            "norm_before_residual": defaults("draft")["norm_before_residual"]}
+
+
+def resolve_config(config):
+    unknown = sorted(set(config or {}) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown training config keys {unknown}; known: {sorted(DEFAULTS)}")
+    return {**DEFAULTS, **(config or {})}
+
+
+def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
+    """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
+    keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
+    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in keys})
+
+
+def load_checkpoint(path):
+    """``(tensors, draft_config, target_info, train_stats)`` of a train_draft checkpoint."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return tensors, DraftConfig(**json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
+
+
+
+def save_checkpoint(path, tensors, dcfg: DraftConfig, info: dict, train: dict):
+    """Write ``tensors`` as a checkpoint ``load_checkpoint`` reads back."""
+    metadata = {
+        "format": CHECKPOINT_FORMAT,
+        "draft_config": json.dumps(dcfg.to_dict()),
+        "target": json.dumps(info),
+        "train": json.dumps(train, default=str),
+    }
+    save_safetensors(tensors, path, metadata)

@@ -1,0 +1,54 @@
+"""The draft's shape: one config class that export writes to ``config.json`` (draft.vllm_format) and
+validation reads back. It sits low, so export and the report read a checkpoint without the trainer."""
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's: rows of the shared embedding, length of t2d
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_aux_layers: int = 3
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        # vLLM feeds the draft the target's embedding (no embed_tokens in the checkpoint) and asserts
+        # that hidden states and embeddings have the same width (llama_eagle3.py, LlamaModel.forward).
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"draft hidden_size {self.hidden_size} must equal the target's {self.target_hidden_size}: "
+                "the draft shares the target's token embedding"
+            )
+
+    @classmethod
+    def from_target(cls, info: dict, draft_vocab_size: int, **overrides):
+        """Sizes default to the target's (``info`` as in target.target_info); ``overrides`` win when not None."""
+        cfg = {
+            "hidden_size": info["hidden_size"],
+            "intermediate_size": info["intermediate_size"],
+            "num_attention_heads": info["num_attention_heads"],
+            "num_key_value_heads": info["num_key_value_heads"],
+            "head_dim": info["head_dim"],
+            "vocab_size": info["vocab_size"],
+            "draft_vocab_size": draft_vocab_size,
+            "target_hidden_size": info["hidden_size"],
+            "num_aux_layers": len(info["aux_layers"]),
+            "rms_norm_eps": info["rms_norm_eps"],
+            "rope_parameters": dict(info["rope_parameters"]),
+            "max_position_embeddings": info["max_position_embeddings"],
+        }
+        cfg.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**cfg)
+
+    def to_dict(self):
+        return asdict(self)

@@ -1,0 +1,324 @@
+"""The EAGLE-3 draft model, in one file, with its training-time-test (TTT) forward and loss.
+
+Module and parameter names are vLLM's tensor names (``midlayer.self_attn.q_proj.weight``,
+``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so ``state_dict()`` is the
+exported checkpoint as is. The layer follows vLLM 0.32's ``llama_eagle3.py``:
+
+    h     = fc(aux_0 ‖ aux_1 ‖ aux_2)                  fused target features [.., H]  (step 0)
+    e     = input_layernorm(embed(token))              the target's frozen embedding
+    r     = h;  h = hidden_norm(h)                     (norm first, r = normed h, if norm_before_residual)
+    r     = self_attn(e ‖ h) + r                       q/k/v take 2·H inputs, embedding first
+    out   = mlp(post_attention_layernorm(r)) + r       pre-norm sum: the hidden of the next draft step
+    logits = lm_head(norm(out))                        over the draft vocabulary
+
+Alignment (vLLM's proposer: ``v1/spec_decode/llm_base_proposer.py`` to 0.33,
+``v1/worker/gpu/spec_decode/eagle/`` in 0.34): at target position t the draft gets the target's features at t and the token at t+1, runs at rope position t, and predicts token t+2, i.e.
+what the target predicts at t+1. Draft step j (j = 0 .. ttt_length-1) at base position t gets the
+token at t+1+j, the previous step's pre-norm output at t (the target features when j = 0) and rope
+position t+j (vLLM advances the position one per draft step); it attends to step 0's keys at
+positions <= t and to its own chain's keys at t from steps 1..j, exactly the keys vLLM's KV cache
+holds when it drafts that token, and to nothing later.
+"""
+
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import DraftConfig
+from .layers import DecoderLayer, RMSNorm
+from .losses import ttt_loss, ttt_loss_fused
+from .ttt import (GatherRows, StepGrads, causal_block_mask, mark_chains_dynamic, step_weights, token_embeds_ids,
+                  ttt_block_masks, ttt_chains, ttt_mask)
+from .vllm_format import draft_to_target_ids
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)  # matches d2t = 0
+        # The target's embedding (set_target): frozen, shared by vLLM at serving time, so neither
+        # trained nor saved.
+        self.register_buffer("embed_weight", torch.empty(0, cfg.hidden_size), persistent=False)
+        # The draft's rope is the target's (vLLM applies the draft config's rope_parameters).
+        self.rotary_emb = LlamaRotaryEmbedding(
+            LlamaConfig(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=cfg.head_dim,
+                rope_parameters=dict(cfg.rope_parameters),
+                max_position_embeddings=cfg.max_position_embeddings,
+            )
+        )
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+
+    def set_target(self, embed_weight, d2t, t2d, lm_head_weight=None, norm_weight=None):
+        """Install the target's embedding and the vocabulary maps; optionally start the head from the
+        target's (its lm_head rows of the draft vocabulary, its final norm)."""
+        with torch.no_grad():
+            self.embed_weight = embed_weight.detach().to(self.embed_weight.device).clone()
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            if lm_head_weight is not None:
+                self.lm_head.weight.copy_(lm_head_weight[self.draft_ids()])
+            if norm_weight is not None:
+                self.norm.weight.copy_(norm_weight)
+
+    # How the TTT runs (train.py sets these from the config; the defaults are the reference path):
+    # attention "sdpa": a dense boolean mask, keys concatenated step by step (any device);
+    #           "flex": fixed-shape steps over a preallocated key buffer with block-sparse flex
+    #           attention (T a multiple of FLEX_BLOCK; CUDA for speed, CPU works for tests).
+    # compiled: the flex step is one torch.compile'd function (see ``_flex_step``).
+    # recompute: each TTT step's activations are recomputed in backward instead of kept.
+    # fused_loss: ``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept).
+    # split_step_grads: each flex TTT step gets its own alias of the weights the steps share, and
+    #   their gradients are summed in one pass when backward is done (``StepGrads``) instead
+    #   of autograd adding them into one buffer step by step (6 bf16 adds at TTT 7: benchmarks/RESULTS.md,
+    #   "Figures moved out of code comments"); costs ttt_length bf16 gradients of the layer at the end of
+    #   backward. Not under DDP, whose hooks watch the parameters' own gradients.
+    attention = "sdpa"
+    compiled = False
+    recompute = False
+    fused_loss = False
+    split_step_grads = False
+    # diag_split: flex path: flex attention over step 0's causal keys only, the later steps' keys
+    #   (one per query, on the diagonal) merged in elementwise (``Attention.attend_ttt``).
+    diag_split = False
+    # skip_unscored: with diag_split and targets: the later TTT steps (j >= 1) run only at the base
+    #   positions whose chain still has a scored token ahead (``ttt_chains``): not at prompt or
+    #   padding positions. Exact: a later step's output at t only feeds its own chain at t.
+    skip_unscored = False
+
+    def step_mask(self, T, step, device):
+        return ttt_mask(T, step, device)
+
+    def draft_ids(self):
+        """Target id of every draft id."""
+        return draft_to_target_ids(self.d2t)
+
+    def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096, embeds=None):
+        """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
+
+        Without ``targets``: the normed output of every step, a list of ``ttt_length`` [B, T, H].
+        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``. ``embeds`` [B, T+ttt_length-1, H]:
+        the target's embeddings of ``token_embeds_ids(input_ids, ttt_length)``, when the caller
+        looks them up itself (train.py does, on the host, so the table stays off the GPU).
+        """
+        if embeds is None:
+            if self.embed_weight.shape[0] == 0:
+                raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
+            embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
+        if self.attention == "flex":
+            chains = None
+            if self.skip_unscored and self.diag_split and targets is not None and ttt_length > 1:
+                plan = targets.get("plan") or {}
+                B, T = input_ids.shape
+                chains = plan["chains"] if "chains" in plan else ttt_chains(targets["rows"], T, ttt_length, B * T)
+            outs = self._ttt_flex(input_ids, aux_hidden, ttt_length, embeds, chains)
+        else:
+            outs = self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds)
+        if targets is None:
+            return outs
+        if self.fused_loss:
+            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.compiled)
+        return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+
+    def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
+        B, T = input_ids.shape
+        hidden = self.fc(aux_hidden)
+        base = torch.arange(T, device=input_ids.device)
+        past, outs = [], []
+        for j in range(ttt_length):
+            hidden = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
+            outs.append(self.norm(hidden))
+        return outs
+
+    def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all, chains=None):
+        """The same TTT as ``_ttt_dense`` at fixed shapes: the keys of all steps live in one buffer
+        [B, nKV, J·T, hd] allocated up front (step j writes its slot j·T..(j+1)·T out of place) and
+        flex attention's per-step block mask skips what is not written yet, so every step calls
+        ``_flex_step`` with the same shapes, dtypes and mask_mod. Compiled, that is ONE graph for
+        any ttt_length (7 or 10), instead of one per step and a dynamo recompile limit that drops
+        the rest to eager; the price is a buffer of J·T keys (tens of MB) per step. With
+        ``diag_split`` the mask is step 0's causal one at every step and ``valid`` (values only)
+        says which later steps' diagonal keys are written. With ``chains`` (``skip_unscored``) the
+        steps after step 0 run at those flat positions only (``_ttt_chains``)."""
+        B, T = input_ids.shape
+        attn = self.midlayer.self_attn
+        hidden = self.fc(aux_hidden)
+        device = input_ids.device
+        valid = [None] * ttt_length
+        if self.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
+            masks = [causal_block_mask(T, str(device)) if device.type == "cuda" or self.compiled else ttt_mask(T, 0, device)] * ttt_length
+            valid = [torch.arange(1, ttt_length, device=device) <= j for j in range(ttt_length)]
+        elif device.type == "cuda" or self.compiled:
+            masks = ttt_block_masks(T, ttt_length, str(device))
+        else:  # CPU (tests): flex has no backward there, and uncompiled it evaluates the mask_mod
+            # densely, which the block lists above rely on not happening; the same pattern as dense masks
+            masks = [F.pad(ttt_mask(T, j, device), (0, (ttt_length - 1 - j) * T)) for j in range(ttt_length)]
+        kv_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.fc.weight.dtype
+        # requires_grad like the buffers of later steps, so step 0 matches the same compiled graph
+        grad = torch.is_grad_enabled()
+        k_buf = torch.zeros(B, attn.n_kv, ttt_length * T, attn.head_dim, device=device, dtype=kv_dtype, requires_grad=grad)
+        v_buf = torch.zeros_like(k_buf, requires_grad=grad)
+        base = torch.arange(T, device=device)
+        step = self._compiled_step() if self.compiled else self._flex_step
+        shared = self.step_params() if self.split_step_grads and grad else None
+        outs = []
+        collect = StepGrads(list(shared.values()), compiled=self.compiled) if shared else None
+        for j in range(ttt_length if chains is None else 1):
+            cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
+            # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
+            hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j],
+                                                step_weights(shared, collect), valid[j])
+            outs.append(normed)
+        if chains is not None:
+            outs += self._ttt_chains(hidden, embeds_all, k_buf[:, :, :T], v_buf[:, :, :T], masks[0], chains, ttt_length, shared, collect)
+        return outs
+
+    def _ttt_chains(self, hidden, embeds_all, k0, v0, mask, chains, ttt_length, shared, collect):
+        """Steps 1..J-1 at the flat positions ``chains`` [N] only, from step 0's pre-norm output
+        ``hidden`` [B, T, H] and keys ``k0``, ``v0``; the chains' own keys live in [N, J-1, nKV, hd]
+        buffers. Compiled, N is a dynamic dimension: one graph serves every batch of the same [B, T].
+        -> the normed outputs of steps 1..J-1, each [B, T, H] (zero off the chains)."""
+        B, T, H = hidden.shape
+        attn, device, grad = self.midlayer.self_attn, hidden.device, torch.is_grad_enabled()
+        pos = chains % T
+        e_rows = chains // T * embeds_all.shape[1] + pos  # row of the token step 0 reads, in embeds_all [B·(T+J-1), H]
+        flat_embeds = embeds_all.reshape(-1, H)
+        h = GatherRows.apply(hidden.reshape(B * T, H), chains)
+        kd = torch.zeros(len(chains), ttt_length - 1, attn.n_kv, attn.head_dim, device=device, dtype=k0.dtype, requires_grad=grad)
+        vd = torch.zeros_like(kd, requires_grad=grad)
+        steps = torch.arange(1, ttt_length, device=device)
+        step = self._compiled_chains_step() if self.compiled else self._chains_step
+        outs = []
+        for j in range(1, ttt_length):
+            cos, sin = self.rotary_emb(h, (pos + j).unsqueeze(0))
+            args = (flat_embeds, e_rows + j, h, cos, sin, k0, v0, kd, vd, steps[j - 1 : j] - 1, chains)
+            if self.compiled:
+                mark_chains_dynamic(args)
+            h, normed, kd, vd = step(*args, mask, step_weights(shared, collect), steps <= j)
+            outs.append(normed)
+        return outs
+
+    def _chains_step(self, flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains, block_mask, weights=None,
+                     valid=None):
+        """One later TTT step at the chains only (``_ttt_chains``) -> (pre-norm output [N, H], normed
+        output scattered to [B, T, H], kd, vd)."""
+
+        def body(flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains):
+            embeds = flat_embeds.index_select(0, e_index).to(self.fc.weight.dtype)
+            out, normed, (kd, vd) = self._layer_and_norm(
+                weights, (embeds, hidden, cos, sin, (k0, v0, kd, vd), block_mask), {"slot": slot, "valid": valid, "chains": chains})
+            B, T = k0.shape[0], k0.shape[2]
+            return out, normed.new_zeros(B * T, normed.shape[-1]).index_copy(0, chains, normed).view(B, T, -1), kd, vd
+
+        args = (flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains)
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(body, *args, use_reentrant=False)
+        return body(*args)
+
+    def _compiled_chains_step(self):
+        # like _compiled_step, but the chains' count N is marked dynamic by the caller
+        if getattr(self, "_chains_compiled", None) is None:
+            self._chains_compiled = torch.compile(self._chains_step, dynamic=False, fullgraph=True)
+        return self._chains_compiled
+
+    def _layer_and_norm(self, weights, args, kwargs):
+        """The decoder layer and the final norm -> (pre-norm output, normed output, the layer's kv);
+        ``weights``: tensors to use in place of the parameters of the same names (``split_step_grads``)."""
+        if weights is None:
+            out, kv = self.midlayer(*args, **kwargs)
+            return out, self.norm(out), kv
+        mid = {n.removeprefix("midlayer."): w for n, w in weights.items() if n.startswith("midlayer.")}
+        out, kv = torch.func.functional_call(self.midlayer, mid, args, kwargs)
+        norm = {n.removeprefix("norm."): w for n, w in weights.items() if n.startswith("norm.")}
+        return out, torch.func.functional_call(self.norm, norm, (out,)), kv
+
+    def step_params(self):
+        """The trained parameters every TTT step uses (the decoder layer's and the final norm's), by
+        name: what ``split_step_grads`` gives each step an alias of."""
+        return {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
+
+    def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask, weights=None, valid=None):
+        """One fixed-shape TTT step -> (pre-norm output, normed output, k_buf, v_buf). With
+        ``recompute`` its activations are recomputed in backward (inside the compiled graph, the
+        checkpoint becomes a region the partitioner recomputes). ``weights``: tensors to use in place
+        of the parameters of the same names (``split_step_grads``)."""
+
+        def body(embeds, hidden, cos, sin, k_buf, v_buf, slot):
+            embeds = embeds.to(self.fc.weight.dtype)
+            out, normed, (k_buf, v_buf) = self._layer_and_norm(
+                weights, (embeds, hidden, cos, sin, (k_buf, v_buf), block_mask), {"slot": slot, "valid": valid})
+            return out, normed, k_buf, v_buf
+
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(body, embeds, hidden, cos, sin, k_buf, v_buf, slot, use_reentrant=False)
+        return body(embeds, hidden, cos, sin, k_buf, v_buf, slot)
+
+    def _compiled_step(self):
+        # fullgraph: a graph break raises instead of silently running part of the step eagerly;
+        # dynamic=False: one static graph per batch shape (train.py pads batches to few shapes and
+        # sets the recompile limit to their number, failing loudly past it: train.configure_compile).
+        if getattr(self, "_step_compiled", None) is None:
+            self._step_compiled = torch.compile(self._flex_step, dynamic=False, fullgraph=True)
+        return self._step_compiled
+
+    def step(self, embeds, hidden, base, j, past):
+        """Draft step ``j`` over [B, T] base positions ``base``: ``embeds`` [B, T, H] the target's
+        embeddings of the tokens it reads, ``hidden`` [B, T, H] the previous step's pre-norm output
+        (the fused target features at j = 0). Appends this step's (k, v) to ``past``; returns the
+        pre-norm output [B, T, H]. Under ``recompute`` (training) its activations are recomputed in
+        backward instead of kept."""
+        cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
+        layer = functools.partial(self.midlayer, past_kv=tuple(past), mask=self.step_mask(len(base), j, base.device))
+        if self.recompute and torch.is_grad_enabled():
+            hidden, kv = checkpoint(layer, embeds, hidden, cos, sin, use_reentrant=False)
+        else:
+            hidden, kv = layer(embeds, hidden, cos, sin)
+        past.append(kv)
+        return hidden
+
+    @torch.no_grad()
+    def propose(self, input_ids, aux_hidden, k):
+        """What vLLM's EAGLE-3 proposer drafts at every position of one sequence: target ids [T, k].
+
+        ``input_ids`` [T] int64, ``aux_hidden`` [T, 3·Ht] the target's states at the draft's layer ids.
+        Row t is the chain drafted after the target has verified tokens 0..t and sampled token t+1:
+        step 0 takes the target's fused features at t and token t+1 at position t; step j takes this
+        chain's own token of step j-1 and the pre-norm output at position t+j, attending to step 0's
+        keys at positions <= t (vLLM's KV cache, always rebuilt from target features at accepted
+        positions) plus its own chain's keys (llm_base_proposer.propose): the training-time test with
+        the draft's own tokens in place of the sequence's. The last row, which has no token t+1 to
+        start from, is -1.
+        """
+        T = input_ids.shape[0]
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        ids = torch.cat([input_ids[1:], input_ids.new_zeros(1)]).to(dev).unsqueeze(0)  # token t+1 at row t
+        hidden = self.fc(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
+        base = torch.arange(T, device=dev)
+        draft_to_target = self.draft_ids()
+        past, proposals = [], []
+        for j in range(k):
+            hidden = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
+            ids = draft_to_target[(self.norm(hidden) @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
+            proposals.append(ids[0])
+        out = torch.stack(proposals, dim=1).cpu()
+        out[T - 1 :] = -1  # no token t+1 to start from
+        return out
