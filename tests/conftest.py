@@ -187,8 +187,8 @@ def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...): the processes a test may signal."""
     children = {}
-    for pid, fields in _processes():
-        children.setdefault(int(fields[1]), []).append(pid)
+    for proc, fields in _processes():
+        children.setdefault(int(fields[1]), []).append(proc)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
