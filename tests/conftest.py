@@ -202,6 +202,40 @@ def descendants_running(pid: int, script: str) -> list[int]:
     return [child for child in descendants(pid) if any(script in a for a in cmdline(child))]
 
 
+# ----------------------------------------------------------------------------- the toy server, once a session
+
+def start_toy_server(log_dir: Path):
+    """A vLLM serving the toy target (BASE_CONFIG's server on a free port) that the test started and owns,
+    as a user's systemd service or hand-started server would be: (ServerConfig, pidfile record)."""
+    from eaglenest.serving.lifecycle import wait_ready
+    from eaglenest.serving.local import LocalPaths, start_local, stop_local
+    from eaglenest.serving.settings import ServerConfig
+
+    cfg = ServerConfig.from_dict({**BASE_CONFIG["server"], "port": free_port()})
+    paths = LocalPaths(log_dir)
+    record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
+    try:
+        wait_ready(cfg, paths, log=print)
+    except BaseException:
+        stop_local(paths)
+        raise
+    return cfg, record
+
+
+@pytest.fixture(scope="session")
+def toy_server(tmp_path_factory):
+    """One toy server for the tests that only send it requests or point a workflow at it in
+    `server.mode: external` (which never stops it): (ServerConfig, pidfile record). Tests that kill,
+    fault or key a server start their own. Stopped at the end of the session, and checked gone."""
+    from eaglenest.serving.local import LocalPaths, stop_local
+
+    log_dir = tmp_path_factory.mktemp("toy_server")
+    cfg, record = start_toy_server(log_dir)
+    yield cfg, record
+    stop_local(LocalPaths(log_dir))
+    server_gone(cfg.port, pgids=[record["pgid"]])
+
+
 # ----------------------------------------------------------------------------- workflows a test interrupts
 
 def read_lines(path) -> list[dict]:
