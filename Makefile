@@ -10,7 +10,7 @@ EAGLENEST_DEVICE ?=
 GPU ?= $(if $(filter cuda,$(EAGLENEST_DEVICE)),1,$(if $(filter cpu,$(EAGLENEST_DEVICE)),0,$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)))
 SNAKEMAKE_ARGS ?=
 
-.PHONY: run test install clean-outputs lock-cpu lock-gpu
+.PHONY: run test test-quick install clean-outputs lock-cpu lock-gpu
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -ra --durations=30 --timeout=1800 tests
+
+# For developers, in minutes: lint and the tests that start no vLLM and no SLURM cluster. CI runs `make test`.
+test-quick: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -ra --timeout=1800 -m "not vllm and not slurm" tests
 
 # Regenerate a lock after a change to pyproject.toml's pins: `make lock-cpu`, `make lock-gpu` (uv from
 # the test extra; it reads the index's metadata and downloads no wheels). Pins already in a lock are

@@ -144,6 +144,11 @@ def dataset_files(wildcards):
     return [path] if os.path.exists(path) else []
 
 
+def evalset_files():
+    """validate.datasets' local files are inputs of validate_draft, so editing one reruns it."""
+    return [d["path"] for d in config["validate"]["datasets"] if os.path.exists(d["path"])]
+
+
 def hidden_server_stopped():
     """GPU work after extraction waits until the extraction server has released the GPUs (in stream
     mode training needs the server: the work after training waits instead)."""

@@ -5,17 +5,21 @@ rule validate_draft:
         **draft_dirs(),
         checkpoint="draft/checkpoint.safetensors",
         heldout="data/prompts/heldout.jsonl",
+        evalsets=evalset_files(),
         metrics="draft/train_metrics.csv",
     output:
         json=report("reports/validation.json", caption="../report/validation.rst", category="Validation"),
+        csv="reports/validation.csv",
         html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
     params:
         server=config["server"],
-        generation={k: config["generation"][k] for k in ("max_tokens", "chat_template_kwargs", "extra_body", "request_timeout")},
+        generation={k: config["generation"][k] for k in ("max_tokens", "temperature", "top_p", "chat_template_kwargs",
+                                                         "extra_body", "request_timeout")},
         validate=config["validate"],
         target=target_model(),
         hidden_dtype=config["hidden"]["dtype"],
         log_dir="logs/validate",
+        cache_dir=config["dataset"]["cache_dir"],
     threads: all_cores()
     resources:
         **gpu_resources("validate"),

@@ -16,5 +16,6 @@ validate_draft(drafts, snakemake.input.heldout, snakemake.input.metrics,
                generation=snakemake.params.generation, validate=snakemake.params.validate,
                target=snakemake.params.target, hidden_dtype=snakemake.params.hidden_dtype,
                checkpoint_path=snakemake.input.checkpoint,
-               log_dir=snakemake.params.log_dir,
+               log_dir=snakemake.params.log_dir, csv_path=snakemake.output.csv,
+               cache_dir=snakemake.params.cache_dir,
                workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)

@@ -2,6 +2,8 @@
 import copy
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +41,7 @@ BASE_CONFIG = {
 
 
 def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick for a bind to port 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,21 +75,35 @@ def run_snakemake(workdir: Path, *args, timeout: float = 900, check: bool = True
     return out
 
 
-def vllm_pids(port: int) -> list[int]:
-    """Processes of a vLLM server on `port` (an API server's command line holds `--port N`; its engine
-    processes share its process group)."""
-    pids = []
+def _processes():
+    """(pid, the fields of /proc/PID/stat after the command name) of every process still readable:
+    fields[0] the state, [1] the parent, [2] the process group, [19] the start time in clock ticks."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+            yield int(proc.name), (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        if state != "Z" and any("vllm" in a for a in argv) and "--port" in argv \
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of `pid` (empty when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def vllm_pids(port: int) -> list[int]:
+    """Processes of a vLLM server on `port` (an API server's command line holds `--port N`; its engine
+    processes share its process group)."""
+    pids = []
+    for pid, fields in _processes():
+        argv = cmdline(pid) if fields[0] != "Z" else []
+        if any("vllm" in a for a in argv) and "--port" in argv \
                 and argv[argv.index("--port") + 1:argv.index("--port") + 2] == [str(port)]:
-            pids.append(int(proc.name))
+            pids.append(pid)
     return sorted(pids)
 
 
@@ -109,12 +126,10 @@ def listeners(port: int) -> list[int]:
     inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
     found = set()
     if inodes:
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
+        for pid, _ in _processes():
             try:
-                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                    found.add(int(proc.name))
+                if any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                    found.add(pid)
             except OSError:
                 continue
     return sorted(found)
@@ -129,7 +144,7 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) != 0
 
 
-def _started_at(pid: int) -> float:
+def started_at(pid: int) -> float:
     """Seconds after boot the process started (inf when it is gone)."""
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -144,15 +159,7 @@ def _uptime() -> float:
 
 def group_members(pgid: int) -> list[int]:
     """Live processes in process group `pgid` (a local server's engine processes share its group)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if proc.name.isdigit() and fields[0] != "Z" and int(fields[2]) == pgid:
-            out.append(int(proc.name))
-    return out
+    return [pid for pid, fields in _processes() if fields[0] != "Z" and int(fields[2]) == pgid]
 
 
 def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
@@ -163,7 +170,7 @@ def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
     since = _uptime()
 
     def ours(pids):
-        return sorted({p for p in pids if _started_at(p) <= since})
+        return sorted({p for p in pids if started_at(p) <= since})
 
     deadline = time.monotonic() + timeout
     while True:
@@ -180,14 +187,8 @@ def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...): the processes a test may signal."""
     children = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(proc.name))
+    for proc, fields in _processes():
+        children.setdefault(int(fields[1]), []).append(proc)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -198,15 +199,94 @@ def descendants(pid: int) -> list[int]:
 
 def descendants_running(pid: int, script: str) -> list[int]:
     """The processes below `pid` whose command line names `script` (never a stranger's process)."""
-    found = []
-    for child in descendants(pid):
-        try:
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if any(script in a for a in argv):
-            found.append(child)
-    return found
+    return [child for child in descendants(pid) if any(script in a for a in cmdline(child))]
+
+
+# ----------------------------------------------------------------------------- the toy server, once a session
+
+def start_toy_server(log_dir: Path):
+    """A vLLM serving the toy target (BASE_CONFIG's server on a free port) that the test started and owns,
+    as a user's systemd service or hand-started server would be: (ServerConfig, pidfile record)."""
+    from eaglenest.serving.lifecycle import wait_ready
+    from eaglenest.serving.local import LocalPaths, start_local, stop_local
+    from eaglenest.serving.settings import ServerConfig
+
+    cfg = ServerConfig.from_dict({**BASE_CONFIG["server"], "port": free_port()})
+    paths = LocalPaths(log_dir)
+    record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
+    try:
+        wait_ready(cfg, paths, log=print)
+    except BaseException:
+        stop_local(paths)
+        raise
+    return cfg, record
+
+
+@pytest.fixture(scope="session")
+def toy_server(tmp_path_factory):
+    """One toy server for the tests that only send it requests or point a workflow at it in
+    `server.mode: external` (which never stops it): (ServerConfig, pidfile record). Tests that kill,
+    fault or key a server start their own. Stopped at the end of the session, and checked gone."""
+    from eaglenest.serving.local import LocalPaths, stop_local
+
+    log_dir = tmp_path_factory.mktemp("toy_server")
+    cfg, record = start_toy_server(log_dir)
+    yield cfg, record
+    stop_local(LocalPaths(log_dir))
+    server_gone(cfg.port, pgids=[record["pgid"]])
+
+
+# ----------------------------------------------------------------------------- workflows a test interrupts
+
+def read_lines(path) -> list[dict]:
+    """The records of a JSON-lines file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def prompt_ids(wd, shards) -> list[str]:
+    """The sorted prompt ids of the first `shards` prompt shards of the run in `wd`."""
+    return sorted(r["id"] for i in range(shards) for r in read_lines(wd / f"data/prompts/shard_{i}.jsonl"))
+
+
+def _default_sigint():
+    # A shell that starts a command in the background (`make test &`, CI runners) starts it with SIGINT
+    # ignored, and every process below inherits that: Ctrl-C would then reach a Snakemake that ignores
+    # it. A user's terminal leaves SIGINT at its default; so does this, for the workflows the tests start.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_workflow(wd, *args) -> subprocess.Popen:
+    """Snakemake on `wd` in the background, in its own session, with SIGINT at its default (as in a terminal)."""
+    return subprocess.Popen(snakemake_cmd(wd, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=_default_sigint)
+
+
+def wait_partial(wd, n, proc, timeout=600):
+    """The partial trace file of shard 0 once it holds `n` records (fails if `proc` ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parts = list((wd / "traces/partial").glob("shard_0*.jsonl")) if (wd / "traces/partial").exists() else []
+        if parts and parts[0].read_text().count("\n") >= n:
+            return parts[0]
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    pytest.fail("no partial records appeared")
+
+
+def finished_before(partial):
+    """The complete records of a partial trace file (its last line may be cut)."""
+    return [l for l in partial.read_text().split("\n")[:-1] if l.strip()]
+
+
+def assert_traces_complete(wd, before_lines):
+    """Shard 0 answers every prompt exactly once and keeps each record finished before a crash as it was."""
+    final = (wd / "traces/shard_0.jsonl").read_text().splitlines()
+    ids = [json.loads(l)["id"] for l in final]
+    assert sorted(ids) == prompt_ids(wd, 1), "every prompt answered exactly once"
+    by_id = {json.loads(l)["id"]: json.loads(l) for l in final}
+    for line in before_lines:
+        rec = json.loads(line)
+        assert by_id[rec["id"]] == rec, "a record finished before the crash is kept as it was"
 
 
 # ----------------------------------------------------------------------------- the tests' own SLURM cluster
@@ -251,6 +331,26 @@ def slurm_cluster():
             slurm_script("down")
 
 
+def slurm_command(args, **kw) -> subprocess.CompletedProcess:
+    """A SLURM client command (scancel, scontrol, squeue, ...) against the tests' cluster, within a minute."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
+
+
+def scontrol_job(job_id) -> str:
+    """`scontrol show job` of `job_id` on one line (empty once SLURM has forgotten it)."""
+    return slurm_command(["scontrol", "--oneliner", "show", "job", job_id]).stdout
+
+
+@pytest.fixture
+def cluster(slurm_cluster):
+    """A list a test appends its SLURM job names to before it submits: every job of those names is
+    cancelled when the test ends, passed or failed (scancel --name matches whole names)."""
+    submitted = []
+    yield submitted
+    for name in submitted:
+        slurm_command(["scancel", "--me", "--name", name])
+
+
 # ----------------------------------------------------------------------------- the default workflow, once a session
 # Shared by tests/test_default_workflow.py and tests/test_formats.py: the most expensive run of the suite.
 
@@ -287,3 +387,128 @@ def default_run(tmp_path_factory):
     (wd / "wall_seconds.txt").write_text(f"{seconds:.0f}\n")
     print(f"default workflow: {seconds:.0f} s in {wd}")
     return wd, cfg, json.loads((wd / "reports/validation.json").read_text())
+
+
+# ----------------------------------------------------------------------------- a draft measured in vLLM
+
+K = 3  # speculative tokens of every test's measurement
+# The toy's draft training in the tests: short, but enough for the draft to learn much of the toy's
+# arithmetic (about 1.5 minutes on 2 cores); two epochs of 300 traces, so stream mode reads sequences
+# again. save_every is not in the training fingerprint: saving resume points changes no weight.
+TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 10}
+
+
+def measure_draft(name, wd: Path, cfg: dict, spec: dict, *, server: dict | None = None, log_dir=None) -> dict:
+    """vLLM serving the target of the run in `wd` (config `cfg`) with `spec` as its speculative config,
+    measured on that run's held-out prompts (eight at a time after one warm-up request; this test's process
+    is the watchdog's workflow). `server`: a server section other than cfg's. The answers are left out."""
+    from eaglenest.serving.settings import ServerConfig
+    from eaglenest.validation.validate import measure_run, read_prompts, request_settings
+
+    run = measure_run(name, ServerConfig.from_dict(server or cfg["server"]), spec,
+                      read_prompts(wd / "data/prompts/heldout.jsonl"), request_settings(cfg["generation"]["max_tokens"]),
+                      log_dir=log_dir or wd / "logs/validate", concurrency=8, warmup_requests=1,
+                      workflow_pid=os.getpid())
+    return {k: v for k, v in run.items() if k != "answers"}
+
+
+def eagle3(draft_dir: Path) -> dict:
+    """The speculative config that serves the vLLM-format draft in `draft_dir` with K tokens."""
+    from eaglenest.serving.vllm import speculative_config
+
+    return speculative_config("eagle3", K, draft_dir)
+
+
+# ----------------------------------------------------------------------------- the vLLM-backend run, once a session
+# Shared by tests/test_backends_acceptance.py and tests/test_stream.py: both compare another way of
+# getting the hidden states (the transformers backend; stream mode) with this run, on its traces.
+
+VLLM_BACKEND_RUN = dict(dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64}, train=TRAIN,
+                        hidden={"backend": "vllm", "dtype": "float32"})
+
+
+@pytest.fixture(scope="session")
+def vllm_backend_run(tmp_path_factory):
+    """The workflow with `hidden.backend: vllm` in files mode up to draft/checkpoint (trace server,
+    extraction server, one shard, training, export): (wd, cfg). Tests copy its prompts and traces and
+    write nothing into it but the measurement's logs."""
+    wd = tmp_path_factory.mktemp("vllm_backend")
+    cfg = write_config(wd, **VLLM_BACKEND_RUN)
+    run_snakemake(wd, "draft/checkpoint", timeout=1500)
+    return wd, cfg
+
+
+@pytest.fixture(scope="session")
+def vllm_backend_acceptance(vllm_backend_run):
+    """measure_draft of the vLLM-backend run's draft: one vLLM start for both tests."""
+    wd, cfg = vllm_backend_run
+    return measure_draft("vllm_backend", wd, cfg, eagle3(wd / "draft/checkpoint"))
+
+
+def copy_traces(src: Path, dst: Path) -> None:
+    """`src`'s prompts and traces (mtimes kept, with its server.stopped) into `dst`: nothing upstream
+    of the hidden states reruns there."""
+    import shutil
+
+    for part in ("data", "traces"):
+        shutil.copytree(src / part, dst / part)
+    shutil.copy2(src / "server.stopped", dst / "server.stopped")
+
+
+# ----------------------------------------------------------------------------- a tiny random target's data, once a session
+# The pipeline's files for the training, export, report and DDP tests (no server, no Snakemake).
+
+VOCAB, HIDDEN, LAYERS = 100, 64, 4
+
+
+def tiny_target(path, seed=0):
+    """A randomly initialised 4-layer Llama (hidden 64, vocab 100) saved to ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def fake_traces(path, n=12, seed=0, truncated_every=4):
+    """Trace records with random token ids; every ``truncated_every``-th one is truncated."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))]
+            # skewed so that some tokens are frequent: the draft vocabulary then means something
+            completion = [min(VOCAB - 1, int(rng.expovariate(0.08))) for _ in range(rng.randint(5, 30))]
+            rec = {
+                "id": f"q{i}", "source": "test", "messages": [], "reasoning": "", "content": "",
+                "finish_reason": "length" if i % truncated_every == 1 else "stop",
+                "truncated": i % truncated_every == 1, "prompt_token_ids": prompt,
+                "completion_token_ids": completion, "usage": {}, "latency_s": 0.0, "server": "test",
+            }
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """Traces -> hidden shard + target head + vocab of a tiny random target. Tests read these files and
+    write only under their own directories."""
+    from eaglenest.draft.vocab import build_vocab
+    from eaglenest.states.hidden import extract_hidden
+    from eaglenest.states.target import save_target_head
+
+    root = tmp_path_factory.mktemp("pipeline")
+    target = tiny_target(root / "target")
+    traces = fake_traces(root / "traces.jsonl", n=24)
+    extract_hidden(traces, root / "hidden" / "shard_0.safetensors", target, max_length=48, progress=False)
+    save_target_head(target, root / "hidden" / "target_head.safetensors")
+    build_vocab(traces, root / "vocab.safetensors", target_vocab_size=100, draft_vocab_size=40)
+    return {
+        "hidden_paths": [root / "hidden" / "shard_0.safetensors"],
+        "vocab_path": root / "vocab.safetensors",
+        "head_path": root / "hidden" / "target_head.safetensors",
+    }

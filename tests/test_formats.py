@@ -9,27 +9,21 @@ acceptance stays within 10% of the offline prediction must fail for it, which pr
 mapping. One vLLM start beyond the shared run.
 """
 import json
-import os
 import shutil
 
 import pytest
 import torch
 import yaml
 
-from conftest import TOY_TARGET, eager, run_snakemake, write_config
+from conftest import TOY_TARGET, K, eager, measure_draft, run_snakemake, write_config
 from eaglenest.draft.export import VALIDATION_MARK, export_draft, load_exported, write_validation
 from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
                                          flat_config, launch, speculators_config_json)
-from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import save_safetensors
 from eaglenest.validation.predict import load_exported_draft
-from eaglenest.validation.validate import measure_run, read_prompts, request_settings
-from test_train import data, run  # noqa: F401  (data is a fixture)
+from test_train import run
 
-K = 3
 DRAFT_VOCAB = 48  # of the toy's 105 tokens
-# Short but enough for the draft to learn much of the toy's arithmetic: about 1.5 minutes on 2 cores.
-TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 1000}
 WITHIN = 0.10  # vLLM's acceptance length against the offline prediction
 
 
@@ -41,7 +35,7 @@ def within_prediction(vllm_al: float, offline_al: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def both(data, tmp_path_factory):  # noqa: F811
+def both(data, tmp_path_factory):
     """One small trained checkpoint exported in both formats."""
     out = tmp_path_factory.mktemp("formats")
     run(data, out)
@@ -198,11 +192,8 @@ def validated(default_run):
     shifted = torch.roll(draft_to_target_ids(d2t), 1)
     tensors["d2t"] = shifted - torch.arange(len(d2t))
     save_safetensors(tensors, wrong / "model.safetensors", {"format": "pt"})
-    server = ServerConfig.from_dict(eager(cfg["server"]))
-    model, spec, _ = launch("vllm", wrong, K, server.model)
-    wrong_run = measure_run("wrong_d2t", server, spec, read_prompts(wd / "data/prompts/heldout.jsonl"),
-                            request_settings(cfg["generation"]["max_tokens"]), log_dir=wd / "logs/validate",
-                            concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
+    model, spec, _ = launch("vllm", wrong, K, cfg["server"]["model"])
+    wrong_run = measure_draft("wrong_d2t", wd, cfg, spec, server=eager(cfg["server"]))
     return wd, report, wrong_run
 
 

@@ -135,6 +135,23 @@ def test_hub_name_goes_to_load_dataset_with_split(tmp_path, monkeypatch):
     assert shards[0][0]["source"] == "mlabonne/open-perfectblend"
 
 
+def test_evaluation_set_shapes_and_a_hub_subset(tmp_path, monkeypatch):
+    """The shapes of the usual evaluation sets: MT-Bench's list of turns (the first is the question),
+    MATH-500's problem column, GSM8K's question; a hub dataset's configuration goes to load_dataset as name."""
+    import datasets
+
+    assert extract_messages({"prompt": ["first turn", "second turn"]}) == [{"role": "user", "content": "first turn"}]
+    assert extract_messages({"problem": "Solve x."}) == [{"role": "user", "content": "Solve x."}]
+    calls = []
+
+    def fake(path, **kw):
+        calls.append((path, kw))
+        return datasets.Dataset.from_list([{"question": "q?", "answer": "a"}])
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    prepare_prompts("openai/gsm8k", tmp_path / "out", split="test", subset="main", progress=False, cache_dir=None)
+    assert calls == [("openai/gsm8k", {"name": "main", "split": "test", "cache_dir": None})]
+
+
 def test_hub_failure_is_a_prompts_error(tmp_path, monkeypatch):
     import datasets
 
@@ -185,7 +202,7 @@ BAD = [
     ({"prompt": ""}, "empty"),
     ({"prompt": "\n  "}, "empty"),
     ({"prompt": 12}, "non_string"),
-    ({"prompt": ["a", "b"]}, "non_string"),
+    ({"prompt": ["a", 2]}, "non_string"),
     ({"prompt": {"text": "q"}}, "non_string"),
     ({"question": False}, "non_string"),
     ({"answer": "no question column in this row"}, "malformed"),

@@ -3,52 +3,25 @@
 (a prompt longer than the toy's max_model_len) counted in the errors file, with the error-fraction gate
 failing the shard with a message that says what to do.
 
-One server (module-scoped) serves every test here; the replica test starts a second one for itself."""
+The session's toy server (conftest.toy_server, which tests that only send requests share) serves every
+test here; the replica test starts a second one for itself."""
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port, run_snakemake, server_gone, write_config
+from conftest import BASE_CONFIG, run_snakemake, server_gone, start_toy_server, write_config
 from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
-from eaglenest.serving.lifecycle import wait_ready
-from eaglenest.serving.local import LocalPaths, start_local, stop_local
+from eaglenest.serving.local import LocalPaths, stop_local
 from eaglenest.serving.probe import is_serving
-from eaglenest.serving.settings import ServerConfig
 
 pytestmark = pytest.mark.vllm
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = BASE_CONFIG["server"]["max_model_len"]
 GENERATION = {"max_tokens": 64, "concurrency": 8, "request_timeout": 120, "max_retries": 1}
 # The toy's character vocabulary holds these symbols; 40 repeats are ~800 tokens, past max_model_len.
 LONG = "What is 123 + 456? " * 40
-
-
-def _start(log_dir: Path) -> tuple[ServerConfig, dict]:
-    cfg = ServerConfig.from_dict({"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy",
-                                  "port": free_port(), "max_model_len": MAX_MODEL_LEN,
-                                  "reasoning_parser": "deepseek_r1", "kv_cache_gb": 1,
-                                  "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
-                                  "extra_args": TEST_SERVER_ARGS})
-    paths = LocalPaths(log_dir)
-    record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
-    try:
-        wait_ready(cfg, paths, log=print)
-    except BaseException:
-        stop_local(paths)
-        raise
-    return cfg, record
-
-
-@pytest.fixture(scope="module")
-def users_server(tmp_path_factory):
-    """A vLLM the test started, as a user's systemd service or hand-started server would be."""
-    log_dir = tmp_path_factory.mktemp("users_server")
-    cfg, record = _start(log_dir)
-    yield cfg, record
-    stop_local(LocalPaths(log_dir))
-    server_gone(cfg.port, pgids=[record["pgid"]])
 
 
 def _prompts(path: Path, n: int, long_every: int = 0) -> Path:
@@ -64,8 +37,8 @@ def _lines(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_external_mode_uses_the_users_server_and_never_stops_it(users_server, tmp_path):
-    cfg, record = users_server
+def test_external_mode_uses_the_users_server_and_never_stops_it(toy_server, tmp_path):
+    cfg, record = toy_server
     wd = tmp_path / "external"
     write_config(wd, dataset={"limit": 24, "heldout": 4},
                  server={"mode": "external", "urls": [cfg.local_url], "port": cfg.port})
@@ -78,8 +51,8 @@ def test_external_mode_uses_the_users_server_and_never_stops_it(users_server, tm
     assert alive(record["pid"]) and is_serving(cfg.local_url, "toy")
 
 
-def test_a_real_400_is_counted_in_the_errors_file(users_server, tmp_path):
-    cfg, _ = users_server
+def test_a_real_400_is_counted_in_the_errors_file(toy_server, tmp_path):
+    cfg, _ = toy_server
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=6)  # 2 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
     stats = generate_shard(prompts, out, urls=[cfg.local_url], model="toy", progress=False,
@@ -93,8 +66,8 @@ def test_a_real_400_is_counted_in_the_errors_file(users_server, tmp_path):
     assert len(_lines(out)) == 10
 
 
-def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(users_server, tmp_path):
-    cfg, _ = users_server
+def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(toy_server, tmp_path):
+    cfg, _ = toy_server
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=3)  # 4 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
     with pytest.raises(TracesError) as e:
@@ -108,9 +81,9 @@ def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(users_server, t
     assert errors and all(e["status"] == 400 for e in errors)
 
 
-def test_two_real_replicas_share_a_shard(users_server, tmp_path):
-    cfg, _ = users_server
-    second, record = _start(tmp_path / "replica")
+def test_two_real_replicas_share_a_shard(toy_server, tmp_path):
+    cfg, _ = toy_server
+    second, record = start_toy_server(tmp_path / "replica")
     try:
         prompts = _prompts(tmp_path / "prompts.jsonl", 40)
         # A fresh vLLM answers its first requests slowly; warm it so the split reflects routing, not start-up.

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from eaglenest.validation import report
-from eaglenest.validation.report import (bar_chart, build_report, export_differences, findings, line_chart,
-                                         nice_ticks, read_train_metrics, render_html, train_summary, write_report)
-from test_train import data, run  # noqa: F401  (data: a fixture, the pipeline of a tiny random target)
+from eaglenest.validation.plots import bar_chart, line_chart, nice_ticks
+from eaglenest.validation.report import (build_report, export_differences, findings, read_train_metrics, render_html,
+                                         train_summary, write_report)
+from test_train import run
 
 RUNS = {
     "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
@@ -107,7 +108,7 @@ def test_plots_handle_degenerate_data():
 
 
 def test_log_ticks_are_round():
-    from eaglenest.validation.report import log_ticks
+    from eaglenest.validation.plots import log_ticks
 
     ticks = [round(10**t, 6) for t in log_ticks(math.log10(0.3), math.log10(25))]
     assert ticks == [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
@@ -121,7 +122,7 @@ def test_load_warning_names_unreliable_throughput(monkeypatch):
     assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
 
 
-def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):  # noqa: F811
+def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from eaglenest.draft.export import export_draft

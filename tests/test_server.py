@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from eaglenest.errors import EaglenestError
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import start_server, stop_server, wait_ready
@@ -130,7 +131,7 @@ def test_port_held_by_a_stranger_is_refused(tmp_path):
 def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
     # A real vLLM launch with a model directory that holds no model: vLLM exits during start-up.
     (tmp_path / "no-such-model").mkdir()
-    cfg = ServerConfig(model=str(tmp_path / "no-such-model"), port=_free_port(), poll_interval=1, ready_timeout=300)
+    cfg = ServerConfig(model=str(tmp_path / "no-such-model"), port=free_port(), poll_interval=1, ready_timeout=300)
     paths = LocalPaths(tmp_path / "logs")
     start_local(cfg, paths, log=lambda *_: None)
     t0 = time.monotonic()
@@ -146,7 +147,7 @@ def test_process_that_dies_while_loading_fails_within_one_poll(tmp_path):
 def test_watchdog_stops_server_when_workflow_dies(tmp_path):
     # The "workflow" is a short-lived process; the "server" is a real vLLM launch that is still loading.
     workflow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
-    cfg = ServerConfig(model=str(TOY), port=_free_port(), max_model_len=512)
+    cfg = ServerConfig(model=str(TOY), port=free_port(), max_model_len=512)
     paths = LocalPaths(tmp_path / "logs")
     record = start_local(cfg, paths, workflow_pid=workflow.pid, log=lambda *_: None)
     workflow.wait()
@@ -165,13 +166,6 @@ def _alive(pid):
     return alive(pid)
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_starts_without_the_jobs_thread_variables(tmp_path, monkeypatch):
     """Snakemake exports OMP_NUM_THREADS=<threads> to a job; vLLM's CPU worker crawls with it.
     The "interpreter" here prints the environment it was given into the server log."""
@@ -180,7 +174,7 @@ def test_server_starts_without_the_jobs_thread_variables(tmp_path, monkeypatch):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nenv\n")
     fake.chmod(0o755)
-    cfg = ServerConfig(model="m", port=_free_port(), python=str(fake), env={"MKL_NUM_THREADS": "8"})
+    cfg = ServerConfig(model="m", port=free_port(), python=str(fake), env={"MKL_NUM_THREADS": "8"})
     paths = LocalPaths(tmp_path / "logs")
     record = start_local(cfg, paths, log=lambda *_: None)
     deadline = time.monotonic() + 10
@@ -196,7 +190,7 @@ def test_server_starts_without_the_jobs_thread_variables(tmp_path, monkeypatch):
                                    "toy/no-such-model", "models/llama/8b"])
 def test_a_local_model_path_that_does_not_exist_fails_at_once(tmp_path, model):
     """vLLM would first ask the hub for it and fail half a minute later; no process is started."""
-    cfg = ServerConfig(model=model, port=_free_port())
+    cfg = ServerConfig(model=model, port=free_port())
     paths = LocalPaths(tmp_path / "logs")
     t0 = time.monotonic()
     with pytest.raises(EaglenestError) as e:

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from conftest import descendants, run_snakemake, server_gone, write_config
+from conftest import (assert_traces_complete, descendants, finished_before, run_snakemake, server_gone,
+                      start_workflow, wait_partial, write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
-from test_workflow import _assert_complete, _finished_before, _start, _wait_partial
 
 pytestmark = pytest.mark.vllm
 
@@ -49,10 +49,10 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
     wd = tmp_path / "kill9"
     cfg = write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4})
     port = cfg["server"]["port"]
-    proc = _start(wd, "traces/shard_0.jsonl")
+    proc = start_workflow(wd, "traces/shard_0.jsonl")
     below = {}
     try:
-        partial = _wait_partial(wd, 20, proc)
+        partial = wait_partial(wd, 20, proc)
         record = _server_record(wd, proc)
         below = {pid: _cmdline(pid) for pid in descendants(proc.pid)}
         proc.kill()  # SIGKILL: no onerror, no cleanup of any kind; only the watchdog is left
@@ -62,12 +62,12 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
         print(f"watchdog: server gone {time.monotonic() - t0:.1f} s after kill -9 of Snakemake")
         # The orphaned job may still be retrying against the dead server: it is ours, end it.
         _kill_leftovers(below)
-        before = _finished_before(partial)
+        before = finished_before(partial)
         assert 20 <= len(before) < 300
         # A kill -9 leaves Snakemake's lock behind: the user unlocks, as Snakemake's message says.
         run_snakemake(wd, "--unlock")
         run_snakemake(wd, "traces/shard_0.jsonl", "--rerun-incomplete")
-        _assert_complete(wd, before)
+        assert_traces_complete(wd, before)
         server_gone(port)
     finally:
         if proc.poll() is None:
@@ -82,9 +82,9 @@ def test_sigint_stops_the_server_through_onerror_before_snakemake_exits(tmp_path
     # every bundled prompt: the interrupt must land while the shard is still being generated
     cfg = write_config(wd, dataset={"limit": 2000, "heldout": 0}, shards=1, generation={"concurrency": 4})
     port = cfg["server"]["port"]
-    proc = _start(wd, "traces/shard_0.jsonl")
+    proc = start_workflow(wd, "traces/shard_0.jsonl")
     try:
-        _wait_partial(wd, 20, proc)
+        wait_partial(wd, 20, proc)
         record = _server_record(wd, proc)
         # Ctrl-C in a terminal reaches the foreground process group: Snakemake and its jobs (the server
         # and its watchdog run in sessions of their own and get nothing).

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TEST_SERVER_ARGS, TOY_TARGET, free_port
+from conftest import ROOT, TEST_SERVER_ARGS, TOY_TARGET, free_port, scontrol_job, slurm_command
 from eaglenest.errors import ServerError
 from eaglenest.serving.backend import watchdog_command
 from eaglenest.serving.lifecycle import wait_ready
@@ -28,7 +28,6 @@ from eaglenest.serving.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_se
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 KEY_ENV, KEY = "EAGLENEST_TEST_SLURM_KEY", "s3cret-slurm-key"
 
@@ -74,20 +73,6 @@ ThreadingHTTPServer((a.host, int(a.port)), Handler).serve_forever()
 '''
 
 
-def _run(args, **kw):
-    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
-
-
-@pytest.fixture
-def cluster(slurm_cluster):
-    """A list a test appends its SLURM job names to before it submits: every job of those names is
-    cancelled when the test ends, passed or failed (scancel --name matches whole names)."""
-    submitted = []
-    yield submitted
-    for name in submitted:
-        _run(["scancel", "--me", "--name", name])
-
-
 @pytest.fixture
 def fake_vllm(tmp_path):
     pkg = tmp_path / "fakevllm" / "vllm" / "entrypoints" / "openai"
@@ -108,10 +93,6 @@ def _server(tmp_path, fake_vllm, cluster, monkeypatch, **over):
     return cfg, settings, SlurmPaths(tmp_path / "logs" / "server")
 
 
-def _scontrol_job(job_id):
-    return _run(["scontrol", "--oneliner", "show", "job", job_id]).stdout
-
-
 def _wait_gone(job_id, timeout=30):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,13 +108,13 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     sentinel = tmp_path / "server.ready"
     first = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
     job_id = first["job_id"]
-    shown = _scontrol_job(job_id)
+    shown = scontrol_job(job_id)
     assert f"JobId={job_id} " in shown and f"JobName={job_name(cfg, tmp_path)} " in shown
     assert "NumCPUs=1 " in shown and "gpu" not in shown.lower()  # gpus: 0 asks for none
 
     again = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
     assert again["job_id"] == job_id and again["reused"]
-    assert len(_run(["squeue", "--me", "--noheader", "--name", first["name"]]).stdout.splitlines()) == 1
+    assert len(slurm_command(["squeue", "--me", "--noheader", "--name", first["name"]]).stdout.splitlines()) == 1
 
     ready = wait_ready(cfg, paths, log=lambda m: None)
     assert ready["slurm_job_id"] == job_id and ready["model"] == "toy" and ready["max_model_len"] == 512
@@ -142,7 +123,7 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     sentinel.write_text(json.dumps(ready))
 
     # The key reached vLLM by environment only: not in the batch script, the record or the log.
-    script = _run(["scontrol", "write", "batch_script", job_id, "-"]).stdout
+    script = slurm_command(["scontrol", "write", "batch_script", job_id, "-"]).stdout
     assert "vllm.entrypoints.openai.api_server" in script and "--host 0.0.0.0" in script
     log_text = Path(first["log"]).read_text()
     assert "api key set: True" in log_text

@@ -13,15 +13,15 @@ import time
 import pytest
 import yaml
 
-from conftest import TOY_PROMPTS, _started_at, run_snakemake, server_gone, vllm_pids, write_config
+from conftest import (ROOT, TOY_PROMPTS, started_at, run_snakemake, scontrol_job, server_gone, slurm_command,
+                      vllm_pids, write_config)
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
-from test_slurm import ROOT, _run, _scontrol_job, cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 
-def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa: F811
+def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):
     wd = tmp_path / "wf"
     cfg = write_config(wd, dataset={"limit": 24, "heldout": 4},
                  server={"mode": "slurm", "slurm": {"cpus": 1, "mem": "3G", "gpus": 0, "time": "30:00"}},
@@ -39,7 +39,7 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa
     assert submitted, text[-3000:]
     forgotten = []
     for job_id in submitted:  # every rule job really went through SLURM and finished there
-        info = _scontrol_job(job_id)
+        info = scontrol_job(job_id)
         if not info:  # ended more than MinJobAge (300 s) ago: SLURM no longer knows it
             forgotten.append(job_id)
             continue
@@ -49,7 +49,7 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa
     logs = list((wd / "logs/server").glob("vllm.slurm-*.log"))
     assert len(logs) == 1
     server_job = logs[0].name.split("-")[1].split(".")[0]
-    info = _scontrol_job(server_job)  # empty once SLURM forgot it (cancelled over MinJobAge ago)
+    info = scontrol_job(server_job)  # empty once SLURM forgot it (cancelled over MinJobAge ago)
     assert not info or ("JobName=eaglenest-server-" in info and "JobState=CANCELLED" in info), info
     assert "server ready" in (wd / "logs/server_ready.log").read_text()
     # hidden.backend vllm (the default): the extraction server was a second SLURM job, cancelled
@@ -57,7 +57,7 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):  # noqa
     hidden_logs = list((wd / "logs/hidden_server").glob("vllm.slurm-*.log"))
     assert len(hidden_logs) == 1
     hidden_job = hidden_logs[0].name.split("-")[1].split(".")[0]
-    info = _scontrol_job(hidden_job)
+    info = scontrol_job(hidden_job)
     assert "JobName=eaglenest-server-" in info and "JobState=CANCELLED" in info, info
     assert "extract_hidden_states" in hidden_logs[0].read_text()
     assert "extract_hidden_vllm" in rule_jobs.values()
@@ -74,7 +74,7 @@ SLURM_SERVER = {"mode": "slurm", "keep_server": True, "slurm": {"cpus": 1, "mem"
 
 def _vllm(port):
     """{pid: start time} of the vLLM processes serving `port` (the job runs on this, the only, node)."""
-    return {pid: _started_at(pid) for pid in vllm_pids(port)}
+    return {pid: started_at(pid) for pid in vllm_pids(port)}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def kept_server(tmp_path_factory, slurm_cluster):
     finally:
         submitted.update(j["job_id"] for j in find_jobs(name))
         for job_id in sorted(submitted):
-            _run(["scancel", job_id])
+            slurm_command(["scancel", job_id])
 
 
 def test_a_rerun_reuses_the_running_server_job(kept_server):

@@ -1,7 +1,8 @@
 """hidden.mode: stream against real vLLM (the toy on CPU, float32), through the real workflow.
 
-One working directory runs files mode up to draft/checkpoint (trace server, extraction server,
-shards, training); a second takes its prompts and traces (copied, mtimes kept) and trains in stream
+The session's vLLM-backend run (conftest.vllm_backend_run: files mode up to draft/checkpoint; trace
+server, extraction server, shards, training), shared with tests/test_backends_acceptance.py, is files
+mode; a working directory here takes its prompts and traces (copied, mtimes kept) and trains in stream
 mode with hidden.max_disk_gb set to a quarter of one shard, while a thread measures the disk its
 per-request files and cache take. Same traces, seed and settings: the same batches in the same
 order, so the same draft; both drafts are then served with the target and their acceptance lengths
@@ -10,7 +11,6 @@ kill -9 of the extraction server mid-training; each rerun resumes from the last 
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -20,19 +20,13 @@ import pytest
 import torch
 import yaml
 
-from conftest import descendants_running, free_port, run_snakemake, snakemake_cmd, write_config
+from conftest import (TRAIN, copy_traces, descendants_running, eagle3, free_port, measure_draft, run_snakemake,
+                      snakemake_cmd)
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.serving.local import LocalPaths, read_pidfile
-from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.vllm import speculative_config
-from eaglenest.validation.validate import measure_run, read_prompts, request_settings
 
 pytestmark = pytest.mark.vllm
-K = 3
 CHECKPOINT = "draft/checkpoint.safetensors"
-# About two epochs of the 300 toy traces, so later epochs read sequences again (cache or re-extraction).
-TRAIN = {"max_steps": 60, "lr": 3e-3, "warmup_steps": 5, "batch_tokens": 2048, "ttt_length": 3, "save_every": 10}
-COMMON = dict(dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64}, train=TRAIN)
 
 
 def _disk_use(dirs):
@@ -77,9 +71,7 @@ def _stream_copy(src, dst, port, **hidden):
     cfg["hidden"].update({"mode": "stream", **hidden})
     cfg["server"]["port"] = port
     (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
-    for part in ("data", "traces"):
-        shutil.copytree(src / part, dst / part)
-    shutil.copy2(src / "server.stopped", dst / "server.stopped")
+    copy_traces(src, dst)
     return cfg
 
 
@@ -88,10 +80,12 @@ def _train_seconds(wd):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    wd_f, wd_s = tmp_path_factory.mktemp("files"), tmp_path_factory.mktemp("stream")
-    cfg = write_config(wd_f, server={"port": free_port()}, hidden={"backend": "vllm", "dtype": "float32"}, **COMMON)
-    run_snakemake(wd_f, CHECKPOINT, timeout=1500)
+def runs(vllm_backend_run, tmp_path_factory):
+    wd_f, cfg = vllm_backend_run
+    # About two epochs of the 300 toy traces, so later epochs read sequences again (cache or
+    # re-extraction); the kill test below waits for the states saved at steps 10 and 20.
+    assert cfg["train"] == TRAIN and TRAIN["save_every"] == 10 and TRAIN["max_steps"] == 60, cfg["train"]
+    wd_s = tmp_path_factory.mktemp("stream")
     shard = wd_f / "hidden/shard_0.safetensors"
     budget = shard.stat().st_size / 4
     _stream_copy(wd_f, wd_s, cfg["server"]["port"], max_disk_gb=budget / 1e9)
@@ -125,18 +119,12 @@ def test_stream_mode_trains_the_files_mode_draft_under_the_disk_budget(runs):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_stream_and_files_drafts_reach_the_same_acceptance_in_vllm(runs):
-    cfg = yaml.safe_load((runs["files"] / "config.yaml").read_text())
-    server = ServerConfig.from_dict(cfg["server"])
-    prompts = read_prompts(runs["files"] / "data/prompts/heldout.jsonl")
-    settings = request_settings(cfg["generation"]["max_tokens"])
-    acc = {}
-    for name in ("files", "stream"):
-        wd = runs[name]
-        run_snakemake(wd, "draft/checkpoint")
-        run = measure_run(name, server, speculative_config("eagle3", K, wd / "draft/checkpoint"), prompts, settings,
-                          log_dir=wd / "logs/validate", concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
-        acc[name] = run["acceptance_length"]
+def test_stream_and_files_drafts_reach_the_same_acceptance_in_vllm(runs, vllm_backend_acceptance):
+    wd_f, wd_s = runs["files"], runs["stream"]
+    cfg = yaml.safe_load((wd_f / "config.yaml").read_text())
+    run_snakemake(wd_s, "draft/checkpoint")
+    acc = {"files": vllm_backend_acceptance["acceptance_length"],  # the files draft, measured once a session
+           "stream": measure_draft("stream", wd_s, cfg, eagle3(wd_s / "draft/checkpoint"))["acceptance_length"]}
     print("\nacceptance:", acc, "training seconds:", runs["seconds"])
     assert acc["files"] >= 1.5, acc  # a trained draft, not a random one
     assert abs(acc["files"] - acc["stream"]) <= 0.05, acc

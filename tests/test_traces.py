@@ -4,7 +4,6 @@ be made to produce on demand. The end-to-end tests against a real vLLM server li
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from eaglenest.data.traces import TracesError, check_server, fingerprint, generate_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,12 +62,6 @@ def unfinished_partials(tmp_path):
 def stub():
     with StubServer() as s:
         yield s
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_stub_process(*args):

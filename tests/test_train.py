@@ -13,28 +13,9 @@ from eaglenest.draft.batches import epoch_batches
 from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
 from eaglenest.draft.model import Runtime
 from eaglenest.draft.train import lr_at, target_distribution, train_draft
-from eaglenest.draft.vocab import build_vocab
-from eaglenest.states.hidden import extract_hidden
-from eaglenest.states.target import load_target_head, save_target_head
-from test_hidden import fake_traces, tiny_target
+from eaglenest.states.target import load_target_head
 
 CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Traces -> hidden shard + target head + vocab of a tiny random target."""
-    root = tmp_path_factory.mktemp("pipeline")
-    target = tiny_target(root / "target")
-    traces = fake_traces(root / "traces.jsonl", n=24)
-    extract_hidden(traces, root / "hidden" / "shard_0.safetensors", target, max_length=48, progress=False)
-    save_target_head(target, root / "hidden" / "target_head.safetensors")
-    build_vocab(traces, root / "vocab.safetensors", target_vocab_size=100, draft_vocab_size=40)
-    return {
-        "hidden_paths": [root / "hidden" / "shard_0.safetensors"],
-        "vocab_path": root / "vocab.safetensors",
-        "head_path": root / "hidden" / "target_head.safetensors",
-    }
 
 
 def run(data, out, config=CONFIG):

@@ -18,6 +18,7 @@ import yaml
 from conftest import descendants_running, run_snakemake, snakemake_cmd, write_config
 from eaglenest.draft.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.vllm  # the upstream fixture starts vLLM for the traces
 # 1 process x grad_accum 2 = 2 processes x 1: the same global batch, so the same run (test_ddp).
 TRAIN = {"max_steps": 12, "batch_tokens": 1024, "save_every": 4, "ttt_length": 2, "lr": 3e-3, "warmup_steps": 2,
          "grad_accum": 2}

@@ -91,3 +91,36 @@ def test_request_settings_are_greedy_whatever_the_generation_config_says():
                                        "extra_body": {"temperature": 1.0, "top_k": 5}})
     assert s == {"temperature": 0.0, "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False},
                  "extra_body": {"top_k": 5}}
+
+
+def test_request_settings_carry_the_cell_sampling_settings():
+    s = validate.request_settings(64, {"temperature": 0.0, "extra_body": {"top_p": 0.5, "top_k": 5}},
+                                  temperature=1.0, top_p=0.95, seed=7, chat_template_kwargs={"thinking": True})
+    assert s["temperature"] == 1.0 and s["top_p"] == 0.95 and s["seed"] == 7 and s["max_tokens"] == 64
+    assert s["extra_body"] == {"top_k": 5} and s["chat_template_kwargs"] == {"thinking": True}
+    assert validate.sent_settings(s) == {"temperature": 1.0, "top_p": 0.95, "seed": 7, "max_tokens": 64}
+
+
+def test_temperatures_default_to_zero_and_the_generation_temperature():
+    gen = {"max_tokens": 77, "temperature": 0.6, "top_p": 0.95}
+    s = validate.resolve_settings({}, gen)
+    assert s["temperatures"] == [0.0, 0.6] and s["top_p"] == 0.95
+    assert validate.resolve_settings({}, {**gen, "temperature": 0.0})["temperatures"] == [0.0]
+    s = validate.resolve_settings({"temperatures": [1.0, 0.6, 1.0], "top_p": 0.8}, gen)
+    assert s["temperatures"] == [0.0, 0.6, 1.0] and s["top_p"] == 0.8  # T=0 always, each once
+
+
+def test_evaluation_sets_load_through_the_training_loader(tmp_path):
+    from eaglenest.validation.evalsets import load_set, resolve_sets
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"id": "h", "messages": [{"role": "user", "content": "held out"}]}\n')
+    gsm = tmp_path / "gsm.jsonl"  # GSM8K's shape
+    gsm.write_text("".join(f'{{"question": "q{i}?", "answer": "{i}"}}\n' for i in range(5)))
+    sets = resolve_sets([{"name": "gsm", "path": str(gsm), "limit": 3}], heldout)
+    assert [s["name"] for s in sets] == ["heldout", "gsm"] and sets[1]["split"] == "train"
+    assert load_set(sets[0])[0]["id"] == "h"
+    rows = load_set(sets[1])
+    assert len(rows) == 3 and all(r["messages"][0]["content"].startswith("q") for r in rows)
+    with pytest.raises(validate.ValidationError, match="used twice"):
+        resolve_sets([{"name": "heldout", "path": str(gsm)}], heldout)

@@ -4,26 +4,17 @@ Each test starts real vLLM servers (about a minute each on 2 cores)."""
 import json
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TOY_TARGET, descendants_running, run_snakemake, snakemake_cmd, write_config
+from conftest import (TOY_TARGET, assert_traces_complete, descendants_running, finished_before, prompt_ids,
+                      read_lines, run_snakemake, start_workflow, wait_partial, write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
 TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
-
-
-def _lines(path):
-    return [json.loads(l) for l in Path(path).read_text().splitlines()]
-
-
-def _prompt_ids(wd, shards):
-    return sorted(r["id"] for i in range(shards) for r in _lines(wd / f"data/prompts/shard_{i}.jsonl"))
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +29,8 @@ def traced(tmp_path_factory):
 def test_traces_hold_reasoning_content_and_exact_tokens(traced):
     wd, cfg, _ = traced
     tok = AutoTokenizer.from_pretrained(TOY_TARGET)
-    records = [r for p in TRACES for r in _lines(wd / p)]
-    assert sorted(r["id"] for r in records) == _prompt_ids(wd, 2)
+    records = [r for p in TRACES for r in read_lines(wd / p)]
+    assert sorted(r["id"] for r in records) == prompt_ids(wd, 2)
     assert len(records) == 48
     for r in records:
         assert r["reasoning"] and r["content"], r
@@ -52,7 +43,7 @@ def test_traces_hold_reasoning_content_and_exact_tokens(traced):
         assert r["finish_reason"] in ("stop", "length") and r["truncated"] == (r["finish_reason"] == "length")
         assert r["server"].endswith(str(cfg["server"]["port"]))
     stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
-    assert stats["requests"] == len(_lines(wd / TRACES[0])) and stats["errors"] == 0
+    assert stats["requests"] == len(read_lines(wd / TRACES[0])) and stats["errors"] == 0
 
 
 def test_server_is_stopped_and_sentinel_gone_after_the_run(traced):
@@ -103,66 +94,27 @@ def test_changing_limit_reruns_prompts_and_traces(traced):
     assert _planned_jobs(out) == {"prepare_prompts", "server_ready", "generate_traces", "stop_server"}
 
 
-def _default_sigint():
-    # A shell that starts a command in the background (`make test &`, CI runners) starts it with SIGINT
-    # ignored, and every process below inherits that: Ctrl-C would then reach a Snakemake that ignores
-    # it. A user's terminal leaves SIGINT at its default; so does this, for the workflows the tests start.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _start(wd, *args):
-    return subprocess.Popen(snakemake_cmd(wd, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=_default_sigint)
-
-
-def _wait_partial(wd, n, proc, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        parts = list((wd / "traces/partial").glob("shard_0*.jsonl")) if (wd / "traces/partial").exists() else []
-        if parts and parts[0].read_text().count("\n") >= n:
-            return parts[0]
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.2)
-    pytest.fail("no partial records appeared")
-
-
-
-
-def _finished_before(partial):
-    return [l for l in partial.read_text().split("\n")[:-1] if l.strip()]
-
-
-def _assert_complete(wd, before_lines):
-    final = (wd / "traces/shard_0.jsonl").read_text().splitlines()
-    ids = [json.loads(l)["id"] for l in final]
-    assert sorted(ids) == _prompt_ids(wd, 1), "every prompt answered exactly once"
-    by_id = {json.loads(l)["id"]: json.loads(l) for l in final}
-    for line in before_lines:
-        rec = json.loads(line)
-        assert by_id[rec["id"]] == rec, "a record finished before the crash is kept as it was"
-
-
 def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
     wd = tmp_path / "kill"
     write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, server={"keep_server": True},
                  generation={"concurrency": 4})
     try:
-        proc = _start(wd, "traces/shard_0.jsonl")
-        partial = _wait_partial(wd, 20, proc)
+        proc = start_workflow(wd, "traces/shard_0.jsonl")
+        partial = wait_partial(wd, 20, proc)
         server_pid = read_pidfile(LocalPaths(wd / "logs/server"))["pid"]
         jobs = descendants_running(proc.pid, "generate_traces.py")  # this test's job only
         assert jobs, "the generate_traces job of this workflow is running"
         for pid in jobs:
             os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
-        before = _finished_before(partial)
+        before = finished_before(partial)
         assert 20 <= len(before) < 300
         assert not (wd / "traces/shard_0.jsonl").exists()
         run_snakemake(wd, "traces/shard_0.jsonl")
         # keep_server: the rerun used the server that was still up instead of starting another.
         assert read_pidfile(LocalPaths(wd / "logs/server"))["pid"] == server_pid
         assert (wd / "logs/server/vllm.log").read_text().count("=== ") == 1
-        _assert_complete(wd, before)
+        assert_traces_complete(wd, before)
         stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
         assert stats["resumed"] == len(before)
     finally:
@@ -173,17 +125,17 @@ def test_server_death_mid_shard_fails_clearly_and_rerun_completes(tmp_path):
     wd = tmp_path / "dies"
     write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4, "max_retries": 2})
     try:
-        proc = _start(wd, "traces/shard_0.jsonl")
-        partial = _wait_partial(wd, 20, proc)
+        proc = start_workflow(wd, "traces/shard_0.jsonl")
+        partial = wait_partial(wd, 20, proc)
         record = read_pidfile(LocalPaths(wd / "logs/server"))
         os.killpg(record["pgid"], signal.SIGKILL)
         assert proc.wait(timeout=600) != 0
         log = (wd / "logs/generate_traces/shard_0.log").read_text()
         assert "stopped answering" in log or "connection" in log.lower(), log[-2000:]
-        before = _finished_before(partial)
+        before = finished_before(partial)
         assert len(before) >= 20
         run_snakemake(wd, "traces/shard_0.jsonl")
-        _assert_complete(wd, before)
+        assert_traces_complete(wd, before)
     finally:
         stop_local(LocalPaths(wd / "logs/server"))
 

@@ -189,6 +189,32 @@ def write_prompts(path, n: int, seed: int) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+# Question forms the toy never trained on (none is in PHRASINGS): the second evaluation set of the
+# embedded default, in GSM8K's row shape ({"question", "answer"}), a shape the training file does not use.
+EVAL_PHRASINGS = {
+    "+": ["Work out {x} plus {y}.", "Please add {x} and {y}.", "Give the sum {x} + {y}."],
+    "-": ["Work out {x} minus {y}.", "Please subtract {y} from {x}.", "Give the difference {x} - {y}."],
+    "*": ["Work out {x} times {y}.", "Please multiply {x} by {y}.", "Give the product {x} * {y}."],
+}
+
+
+def write_eval_prompts(path, n: int, seed: int) -> None:
+    """Write n distinct questions in the new forms (EVAL_PHRASINGS), one {"question", "answer"} a line."""
+    rng = random.Random(f"eaglenest-toy-eval-{seed}")
+    seen, rows = set(), []
+    while len(rows) < n:
+        s = make_sample(rng)
+        op = next(c for c in "+-*" if f" {c} " in s["answer"])
+        x, y = (int(v) for v in s["answer"].split(" = ")[0].split(f" {op} "))
+        question = rng.choice(EVAL_PHRASINGS[op]).format(x=x, y=y)
+        if question not in seen:
+            seen.add(question)
+            rows.append({"question": question, "answer": s["answer"]})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 # --- quality metric -----------------------------------------------------------------------------
 
 def answer_quality(texts: Sequence[Sequence[int]]) -> dict:
@@ -406,9 +432,10 @@ def evaluate(model_dir, rows: Sequence[dict]) -> dict:
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    questions = [r["conversations"][0]["value"] for r in rows]
+    questions = [r["question"] if "question" in r else r["conversations"][0]["value"] for r in rows]
+    answers = [r["answer"] if "answer" in r else r["conversations"][1]["value"] for r in rows]
     comps = greedy_completions(model, tok, questions)
-    exact = sum(final_answer(tok, c) == r["conversations"][1]["value"] for c, r in zip(comps, rows))
+    exact = sum(final_answer(tok, c) == a for c, a in zip(comps, answers))
     return {"exact_match": exact / len(rows), **answer_quality(comps),
             "mean_tokens": sum(map(len, comps)) / len(comps),
             "ended_with_eos": sum(c[-1:] == [tok.eos_token_id] for c in comps) / len(comps)}
@@ -427,11 +454,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=750, help="training steps of the 4-layer model")
     ap.add_argument("--layers", type=int, default=LAYERS, help="depth of the shipped model")
     ap.add_argument("--deep-steps", type=int, default=150, help="training steps after growing")
+    ap.add_argument("--eval-prompts", default="toy/eval_prompts.jsonl", help="second evaluation set to write")
     ap.add_argument("--n-prompts", type=int, default=2000)
+    ap.add_argument("--n-eval-prompts", type=int, default=24)
     ap.add_argument("--n-eval", type=int, default=200, help="shipped prompts to evaluate on")
     args = ap.parse_args(argv)
 
     write_prompts(args.prompts, args.n_prompts, args.seed)
+    write_eval_prompts(args.eval_prompts, args.n_eval_prompts, args.seed)
     summary = build_target(args.out, seed=args.seed, steps=args.steps, deep_steps=args.deep_steps,
                            layers=args.layers)
     q = evaluate(args.out, read_prompts(args.prompts)[:args.n_eval])

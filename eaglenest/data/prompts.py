@@ -42,6 +42,7 @@ COLUMNS = (
     ("prompt", "text"),
     ("question", "text"),
     ("instruction", "text"),     # Alpaca: an `input` column, when filled, is appended
+    ("problem", "text"),         # MATH-500 and other competition-math sets
 )
 SYSTEM_COLUMNS = ("system", "system_prompt")  # keep_system for the plain text formats
 
@@ -142,6 +143,8 @@ def _from_text(row: dict, column: str, keep_system: bool) -> list[dict]:
     text = row.get(column)
     if text is None:  # how CSV and parquet spell an empty cell
         raise RowError("empty", f"{column} is empty")
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        text = text[0]  # the turns of a multi-turn benchmark (MT-Bench's prompt column): the first is the question
     if not isinstance(text, str):
         raise RowError("non_string", f"{column} is a {type(text).__name__}, not a string")
     if not text.strip():
@@ -209,7 +212,7 @@ def _local_files(path: str) -> tuple[str, list[str]]:
     return kinds[0], files
 
 
-def _load(path: str, split: str, cache_dir: str | None):
+def _load(path: str, split: str, cache_dir: str | None, subset: str | None = None):
     """(rows, n_rows, columns) where rows yields dicts, so that a bad row costs a count, not the run."""
     import datasets  # slow to import; only this stage needs it
 
@@ -227,7 +230,8 @@ def _load(path: str, split: str, cache_dir: str | None):
             return _json_rows(path, files)
     else:
         try:
-            ds = datasets.load_dataset(path, split=split, cache_dir=cache_dir)
+            named = {"name": subset} if subset else {}  # the dataset's configuration, where it has several
+            ds = datasets.load_dataset(path, **named, split=split, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001 -- network, name, split, auth: all the user's to fix
             raise PromptsError(f"dataset {path!r} (split {split!r}) could not be loaded from the Hugging Face "
                                f"hub: {_why(e)}. Check the name and split, the network (or HF_HUB_OFFLINE with "
@@ -293,11 +297,12 @@ def _json_rows(path: str, files: list[str]):
 def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
                     heldout: int = 0, seed: int = 0, keep_system: bool = False,
                     max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, subset: str | None = None) -> dict:
     """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
 
     path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
-    Hugging Face hub dataset name (loaded with `split`). `cache_dir`: where `datasets` keeps its Arrow
+    Hugging Face hub dataset name (loaded with `split`, and `subset`: the dataset's configuration,
+    e.g. "main" for openai/gsm8k). `cache_dir`: where `datasets` keeps its Arrow
     copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
     default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
     PromptsError when the dataset cannot be read, has no question column, or no row survives.
@@ -311,7 +316,7 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         raise PromptsError(f"heldout must be an integer >= 0, got {heldout!r}")
 
     with _datasets_progress(progress):
-        rows, n_rows, columns = _load(path, split, cache_dir)
+        rows, n_rows, columns = _load(path, split, cache_dir, subset)
     if n_rows == 0:
         raise PromptsError(f"dataset {path!r} has no rows; check the file (or the split, for a hub dataset)")
     fmt = detect_format(columns)

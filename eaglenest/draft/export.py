@@ -112,6 +112,10 @@ def write_validation(draft_dir, report: dict, fmt: str) -> None:
         f"| output tokens/s over the target alone, {concurrency or 'several'} requests in flight | {fx(speed)} |",
         "",
     ]
+    if report.get("matrix"):
+        from ..validation.matrix import matrix_markdown  # pandas: only where a report has a matrix
+
+        lines += matrix_markdown(report["matrix"])
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(text + "\n" + "\n".join(lines))
     os.replace(tmp, path)

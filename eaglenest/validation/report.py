@@ -12,7 +12,6 @@ acceptance, throughput). ``render_html`` lays out the report dict.
 from __future__ import annotations
 
 import csv
-import html
 import json
 import math
 import os
@@ -24,6 +23,10 @@ import torch
 
 from ..config import defaults
 from ..draft.vllm_format import config_value, flat_config, state_dict_from_vllm
+from .matrix import matrix_findings, matrix_html, write_csv
+from .plots import bar_chart, esc, line_chart
+
+
 
 # ----------------------------------------------------------------------------- the findings
 
@@ -186,6 +189,8 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
         out.append({"kind": "load", "message": f"Other processes competed for the {cores} CPU cores during the runs "
                     f"(1-minute load up to {max(loads.values()):.1f}): the tokens/s and the speed-up are unreliable; "
                     "acceptance is not affected."})
+    if report.get("matrix"):
+        out += matrix_findings(report["matrix"], warn_below)
     if report.get("speedup") is not None and report["speedup"] < 1:
         out.append({"kind": "speed", "message": f"EAGLE-3 is slower than the target alone with one request at a "
                     f"time (×{report['speedup']:.2f} output tokens/s): the draft's cost outweighs the accepted "
@@ -254,10 +259,12 @@ def format_agreement(formats: dict) -> dict | None:
 
 
 def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offline: dict, train: dict,
-                 checks: dict, settings: dict, warn_below=WARN_BELOW, formats: dict | None = None) -> dict:
+                 checks: dict, settings: dict, warn_below=WARN_BELOW, formats: dict | None = None,
+                 matrix: dict | None = None) -> dict:
     """The validation.json dict (answers dropped) with the speed-up, agreement and warnings.
-    ``formats``: ``{export format: run name}`` of the EAGLE-3 runs (default: vLLM's format, "eagle3")."""
-    strip = lambda r: {key: v for key, v in (r or {}).items() if key != "answers"}  # noqa: E731
+    ``formats``: ``{export format: run name}`` of the EAGLE-3 runs (default: vLLM's format, "eagle3").
+    ``matrix``: ``matrix.build_matrix``'s (every run × set × temperature); the runs' own cells are dropped."""
+    strip = lambda r: {key: v for key, v in (r or {}).items() if key not in ("answers", "cells")}  # noqa: E731
     e, n, b = (strip(runs.get(key)) for key in ("eagle3", "ngram", "baseline"))
     per_format = {f: strip(runs.get(name)) for f, name in (formats or {"vllm": "eagle3"}).items()}
     report = {
@@ -284,170 +291,22 @@ def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offli
         "settings": settings,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if matrix is not None:
+        report["matrix"] = matrix
     report["warnings"] = findings(report, warn_below)
     return report
 
 
-def write_report(report: dict, json_path, html_path, train_curves=None) -> None:
+def write_report(report: dict, json_path, html_path, train_curves=None, csv_path=None) -> None:
+    """validation.json, its page, and (with a matrix) validation.csv: one row per cell of the matrix."""
+    if csv_path is not None and report.get("matrix"):
+        write_csv(report["matrix"], csv_path)
     for path, text in ((json_path, json.dumps(report, indent=2) + "\n"), (html_path, render_html(report, train_curves))):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text(text)
         os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- plots
-
-# Colour-blind-safe (Okabe-Ito) palette.
-COLOURS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
-FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
-
-
-def _esc(text) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About ``n`` round tick values covering [lo, hi] (1, 2, 5 times a power of ten apart)."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [0.0, 1.0]
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / max(n, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    start = math.floor(lo / step) * step
-    ticks, t = [], start
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    if ticks[-1] < hi:
-        ticks.append(round(t, 12))
-    return ticks
-
-
-def log_ticks(lo: float, hi: float) -> list[float]:
-    """Ticks (as log10 values) at 1, 2 and 5 times the powers of ten inside [10**lo, 10**hi],
-    thinned to 1 times the powers of ten when there are many."""
-    ticks = [math.log10(m * 10**e) for e in range(math.floor(lo), math.ceil(hi) + 1) for m in (1, 2, 5)]
-    ticks = [t for t in ticks if lo - 1e-9 <= t <= hi + 1e-9]
-    if len(ticks) > 8:
-        ticks = [t for t in ticks if abs(t - round(t)) < 1e-9]
-    return ticks if len(ticks) >= 2 else [math.log10(v) for v in nice_ticks(10**lo, 10**hi) if v > 0]
-
-
-def _fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if abs(v) >= 1 and float(v).is_integer():
-        return f"{v:.0f}"
-    return f"{v:.3g}"
-
-
-def _frame(width, height, title, xlabel, ylabel, body, legend):
-    parts = [
-        f'<svg class="plot" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-        f'role="img" aria-label="{_esc(title)}" style="{FONT};font-size:12px">',
-        f'<text x="{width / 2:.1f}" y="18" text-anchor="middle" font-size="14" font-weight="600">{_esc(title)}</text>',
-        body,
-        f'<text x="{width / 2:.1f}" y="{height - 6}" text-anchor="middle">{_esc(xlabel)}</text>',
-        f'<text transform="translate(14,{height / 2:.1f}) rotate(-90)" text-anchor="middle">{_esc(ylabel)}</text>',
-        legend,
-        "</svg>",
-    ]
-    return "\n".join(parts)
-
-
-def _legend(labels, x, y):
-    out = []
-    for i, label in enumerate(labels):
-        yy = y + 16 * i
-        out.append(f'<rect x="{x}" y="{yy - 9}" width="12" height="10" fill="{COLOURS[i % len(COLOURS)]}"/>'
-                   f'<text x="{x + 16}" y="{yy}">{_esc(label)}</text>')
-    return "\n".join(out)
-
-
-def line_chart(series, *, title, xlabel, ylabel, width=560, height=320, ylim=None, logy=False) -> str:
-    """``series``: list of ``(label, xs, ys)``; non-finite points are skipped. Returns an <svg>."""
-    left, right, top, bottom = 62, 150, 30, 42
-    pw, ph = width - left - right, height - top - bottom
-    tr = (lambda v: math.log10(v)) if logy else (lambda v: v)
-    pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys)
-           if math.isfinite(x) and math.isfinite(y) and (y > 0 or not logy)]
-    if not pts:
-        return _frame(width, height, title, xlabel, ylabel,
-                      f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no data</text>', "")
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    if ylim:
-        y0, y1 = ylim
-    else:
-        y0, y1 = min(tr(p[1]) for p in pts), max(tr(p[1]) for p in pts)
-    xt = nice_ticks(x0, x1)
-    if logy:
-        yt = log_ticks(y0, y1)
-        y0, y1 = min(y0, yt[0]), max(y1, yt[-1])
-    else:
-        yt = nice_ticks(y0, y1)
-        if not ylim:
-            y0, y1 = yt[0], yt[-1]
-    x0, x1 = xt[0], xt[-1]
-    sx = lambda v: left + (v - x0) / ((x1 - x0) or 1) * pw  # noqa: E731
-    sy = lambda v: top + ph - (v - y0) / ((y1 - y0) or 1) * ph  # noqa: E731
-    body = [f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    for t in xt:
-        body.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#999"/>'
-                    f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>')
-    for t in yt:
-        if y0 - 1e-12 <= t <= y1 + 1e-12:
-            label = _fmt(10**t) if logy else _fmt(t)
-            body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
-                        f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{label}</text>')
-    for i, (_, xs, ys) in enumerate(series):
-        coords = [f"{sx(x):.1f},{sy(tr(y)):.1f}" for x, y in zip(xs, ys)
-                  if math.isfinite(x) and math.isfinite(y) and (y > 0 or not logy)]
-        if len(coords) == 1:
-            cx, cy = coords[0].split(",")
-            body.append(f'<circle cx="{cx}" cy="{cy}" r="3" fill="{COLOURS[i % len(COLOURS)]}"/>')
-        elif coords:
-            body.append(f'<polyline fill="none" stroke="{COLOURS[i % len(COLOURS)]}" stroke-width="1.6" '
-                        f'points="{" ".join(coords)}"/>')
-    legend = _legend([s[0] for s in series], left + pw + 12, top + 12)
-    return _frame(width, height, title, xlabel, ylabel, "\n".join(body), legend)
-
-
-def bar_chart(categories, series, *, title, xlabel, ylabel, width=560, height=320, ylim=None, fmt="{:.2f}") -> str:
-    """Grouped bars: ``categories`` along x, ``series`` a list of ``(label, values)`` (None: no bar)."""
-    left, right, top, bottom = 62, 150, 30, 42
-    pw, ph = width - left - right, height - top - bottom
-    values = [v for _, vs in series for v in vs if v is not None and math.isfinite(v)]
-    y1 = ylim[1] if ylim else (nice_ticks(0, max(values))[-1] if values and max(values) > 0 else 1.0)
-    yt = [t for t in nice_ticks(0, y1) if t <= y1 + 1e-12]
-    sy = lambda v: top + ph - v / (y1 or 1) * ph  # noqa: E731
-    body = [f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    for t in yt:
-        body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
-                    f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    n_cat, n_ser = max(len(categories), 1), max(len(series), 1)
-    group = pw / n_cat
-    bar = group * 0.8 / n_ser
-    for c, cat in enumerate(categories):
-        gx = left + c * group + group * 0.1
-        body.append(f'<text x="{left + (c + 0.5) * group:.1f}" y="{top + ph + 16}" text-anchor="middle">{_esc(cat)}</text>')
-        for s, (_, vs) in enumerate(series):
-            v = vs[c] if c < len(vs) else None
-            if v is None or not math.isfinite(v):
-                continue
-            h = max(0.0, min(v, y1)) / (y1 or 1) * ph
-            x = gx + s * bar
-            body.append(f'<rect x="{x:.1f}" y="{top + ph - h:.1f}" width="{bar * 0.92:.1f}" height="{h:.1f}" '
-                        f'fill="{COLOURS[s % len(COLOURS)]}"><title>{_esc(fmt.format(v))}</title></rect>')
-            body.append(f'<text x="{x + bar * 0.46:.1f}" y="{top + ph - h - 3:.1f}" text-anchor="middle" '
-                        f'font-size="10">{_esc(fmt.format(v))}</text>')
-    legend = _legend([s[0] for s in series], left + pw + 12, top + 12)
-    return _frame(width, height, title, xlabel, ylabel, "\n".join(body), legend)
 
 
 # ----------------------------------------------------------------------------- the page
@@ -472,14 +331,14 @@ def _num(v, digits=3):
         if not math.isfinite(v):
             return "–"
         return f"{v:.{digits}f}"
-    return _esc(v)
+    return esc(v)
 
 
 def _table(header, rows):
-    out = ["<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr>"]
-    for row in rows:
-        out.append("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>")
-    return "\n".join(out) + "</table>"
+    """A table of cells already formatted as HTML (escaped text, numbers through ``_num``), through a DataFrame."""
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=[esc(h) for h in header]).to_html(index=False, escape=False, border=0)
 
 
 def _plots(report, train_curves):
@@ -528,29 +387,32 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>EAGLE-3 draft validation: {_esc(report.get('target'))}</title>",
+        f"<title>EAGLE-3 draft validation: {esc(report.get('target'))}</title>",
         f"<style>{CSS}</style></head><body>",
         "<h1>EAGLE-3 draft validation</h1>",
-        f'<div class="muted">target <b>{_esc(report.get("target"))}</b> · draft {_esc(report.get("draft"))} · '
-        f'k = {k} · draft vocabulary {_esc((report.get("settings") or {}).get("draft_vocab_size"))} of '
-        f'{_esc((report.get("settings") or {}).get("vocab_size"))} · '
+        f'<div class="muted">target <b>{esc(report.get("target"))}</b> · draft {esc(report.get("draft"))} · '
+        f'k = {k} · draft vocabulary {esc((report.get("settings") or {}).get("draft_vocab_size"))} of '
+        f'{esc((report.get("settings") or {}).get("vocab_size"))} · '
         f'{report.get("prompts")} held-out prompts · max_tokens {report.get("max_tokens")} · '
-        f'{_esc(report.get("created", ""))}</div>',
+        f'{esc(report.get("created", ""))}</div>',
     ]
+    if report.get("matrix"):
+        parts.append(matrix_html(report["matrix"]))
+        parts.append("<h2>Held-out set at T=0: vLLM against the offline prediction</h2>")
     concurrency = (report.get("settings") or {}).get("concurrency")
     headline = (f"Mean acceptance length in vLLM <b>{_num(e.get('acceptance_length'), 2)}</b> "
                 f"(offline prediction {_num(o.get('acceptance_length'), 2)}, n-gram {_num(n.get('acceptance_length'), 2)}); "
                 f"speed-up over the target alone with one request at a time <b>{_num(report.get('speedup'), 2)}×</b> "
                 f"(n-gram {_num(report.get('ngram_speedup'), 2)}×; {_num(report.get('speedup_concurrent'), 2)}× with "
-                f"{_esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
+                f"{esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
     if any(w["kind"] == "disagreement" for w in warnings):
         parts.append(f'<div class="verdict bad"><b>vLLM and the offline prediction disagree.</b> {headline}</div>')
     else:
         parts.append(f'<div class="verdict ok">{headline}</div>')
     for w in warnings:
-        causes = "".join(f"<li>{_esc(c)}</li>" for c in w.get("causes", []))
-        cls = "bad" if w["kind"] == "disagreement" else "note"
-        parts.append(f'<div class="verdict {cls}">{_esc(w["message"])}' + (f"<ul>{causes}</ul>" if causes else "") + "</div>")
+        causes = "".join(f"<li>{esc(c)}</li>" for c in w.get("causes", []))
+        cls = "bad" if w["kind"] in ("disagreement", "not_lossless") else "note"
+        parts.append(f'<div class="verdict {cls}">{esc(w["message"])}' + (f"<ul>{causes}</ul>" if causes else "") + "</div>")
 
     parts.append("<h2>Summary</h2>")
     rows = []
@@ -559,7 +421,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
     base_one = _one(b)
     for label, r in [("target alone", b), *drafts, ("n-gram", n)]:
         one = r.get("one_request") or {}
-        rows.append([_esc(label), _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
+        rows.append([esc(label), _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
                      ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–",
                      _num(one.get("output_tokens_per_s"), 1), _num(one.get("ms_per_token"), 2),
                      _num(_ratio(one.get("output_tokens_per_s"), base_one), 2),
@@ -578,8 +440,8 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                      *["–"] * 9])
     parts.append(_table(["run", "acceptance length", "acceptance rate", "per position",
                          "1 request: output tok/s", "1 request: ms/token", "1 request: speed-up",
-                         f"{_esc(concurrency)} in flight: output tok/s", f"{_esc(concurrency)} in flight: mean latency s",
-                         f"{_esc(concurrency)} in flight: speed-up", "passes (1 + n)", "completion tokens", "wall s"],
+                         f"{esc(concurrency)} in flight: output tok/s", f"{esc(concurrency)} in flight: mean latency s",
+                         f"{esc(concurrency)} in flight: speed-up", "passes (1 + n)", "completion tokens", "wall s"],
                         rows))
     parts.append(f'<p class="muted">Acceptance length = 1 + accepted / drafts (the bonus token included); '
                  f'rates from differences of vLLM\'s /metrics counters around each run\'s timed requests. Each run '
@@ -595,15 +457,15 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                      f'{_num(agree["difference"], 4)} (tolerance {agree["tolerance"]}).</p>')
     for f, r in formats.items():
         if r.get("served_as"):
-            parts.append(f'<p class="muted">{_esc(f)} format served as: {_esc(r["served_as"])}</p>')
+            parts.append(f'<p class="muted">{esc(f)} format served as: {esc(r["served_as"])}</p>')
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")
 
     parts.append("<h2>Checks</h2>")
     checks = report.get("checks") or {}
-    parts.append(_table(["check", "value"], [[_esc(key), _esc(json.dumps(v))] for key, v in checks.items()]))
+    parts.append(_table(["check", "value"], [[esc(key), esc(json.dumps(v))] for key, v in checks.items()]))
     parts.append("<h2>Settings and raw numbers</h2>")
     raw = json.dumps({key: v for key, v in report.items()}, indent=1)
-    parts.append(f"<details><summary>validation.json</summary><pre>{_esc(raw)}</pre></details>")
+    parts.append(f"<details><summary>validation.json</summary><pre>{esc(raw)}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

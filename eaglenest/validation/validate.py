@@ -39,6 +39,10 @@ from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
 from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
                             speculative_config, supported_version_note, vllm_version)
+from ..states.target import load_target
+from .evalsets import load_set, read_prompts, resolve_sets
+from .lossless import score_check, sequence_scores
+from .matrix import build_matrix
 from .predict import offline_acceptance
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 
@@ -83,12 +87,25 @@ def settled_counters(url: str, api_key: str | None = None, wait_s: float = 5.0) 
 # ----------------------------------------------------------------------------- requests
 
 
-def request_settings(max_tokens: int, generation: dict | None = None) -> dict:
+def request_settings(max_tokens: int, generation: dict | None = None, *, temperature: float = 0.0,
+                     top_p: float | None = None, seed: int | None = None, chat_template_kwargs=None) -> dict:
     """The ``generation`` settings of the traces client for validation: the config's (template
-    arguments, extra body, timeouts, retries), greedy and ``max_tokens`` long whatever they say."""
+    arguments, extra body, timeouts, retries), at ``temperature`` (greedy by default) and ``max_tokens``
+    long whatever they say; ``top_p``, ``seed`` and a set's ``chat_template_kwargs`` where given."""
     g = {key: v for key, v in (generation or {}).items() if key in GENERATION_DEFAULTS}
-    extra = {key: v for key, v in (g.get("extra_body") or {}).items() if key not in ("temperature", "max_tokens")}
-    return {**g, "max_tokens": max_tokens, "temperature": 0.0, "extra_body": extra or None}
+    sampling = ("temperature", "max_tokens", "top_p", "seed")
+    extra = {key: v for key, v in (g.get("extra_body") or {}).items() if key not in sampling}
+    out = {**g, "max_tokens": max_tokens, "temperature": float(temperature), "extra_body": extra or None}
+    for key, v in (("top_p", top_p), ("seed", seed), ("chat_template_kwargs", chat_template_kwargs)):
+        if v is not None:
+            out[key] = v
+    return out
+
+
+def sent_settings(settings: dict) -> dict:
+    """What the requests of a cell carried that decides its tokens (recorded per cell in the report)."""
+    g = {**GENERATION_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+    return {key: g.get(key) for key in ("temperature", "top_p", "seed", "max_tokens")}
 
 
 def run_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, min_seconds=0.0) -> dict:
@@ -159,13 +176,36 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) -> dict:
+    """One cell of the matrix on a running server: the set's prompts one request at a time at the
+    cell's settings, with the counters read around them. ``first``: the headline phases' figures
+    (held-out set, T=0), reused rather than measured again."""
+    if first is None:
+        before = settled_counters(url, api_key, wait_s=2.0) if k else None
+        run = run_requests(url, model, cell["prompts"], cell["settings"], concurrency=1, api_key=api_key)
+        after = settled_counters(url, api_key, wait_s=2.0) if k else None
+        out = {"one_request": one_request_speed([run]), "answers": run["answers"]}
+        if k:
+            out.update(acceptance(counter_delta(before, after), k))
+    else:
+        out = {key: first[key] for key in ("one_request", "answers", "acceptance_length", "acceptance_rate",
+                                           "per_position", "drafts", "draft_tokens", "accepted") if key in first}
+    out.update({"set": cell["set"], "temperature": cell["temperature"], "prompts": len(cell["prompts"]),
+                "request_settings": sent_settings(cell["settings"]),
+                "output_tokens": sum(len(a["completion_token_ids"]) for a in out["answers"])})
+    return out
+
+
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1) -> dict:
+                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1,
+                cells=()) -> dict:
     """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
     the counters around the timed requests, and stop the server (its whole process group) always.
     ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
     served as the model) rather than ``spec``. ``one_request_runs``: timed one-request phases (the
-    median one is reported; benchmarks/bench_speedup.py takes three)."""
+    median one is reported; benchmarks/bench_speedup.py takes three). ``cells``: the matrix's cells
+    (``{"set", "temperature", "prompts", "settings"}``), each measured on the same server start after
+    the headline phases (``measure_cell``); the one flagged ``headline`` reuses their figures."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -195,6 +235,10 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                                   api_key=api_key, min_seconds=min_seconds)
             after = settled_counters(url, api_key)
             result["one_request"] = one_request_speed(singles)
+            kk = (spec or {}).get("num_speculative_tokens") or k
+            headline = {**result, **(acceptance(counter_delta(before, after), kk) if kk else {})}
+            result["cells"] = [measure_cell(url, cfg.model_id, c, api_key=api_key, k=kk,
+                                            first=headline if c.get("headline") else None) for c in cells]
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         finally:
@@ -218,6 +262,10 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
         f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
         f"{result['wall_s']:.1f} s ({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
         + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
+    for c in result.get("cells", []):
+        log(f"{name}: {c['set']} at T={c['temperature']:g}: {c['prompts']} prompts, {c['output_tokens']} output tokens, "
+            f"{c['one_request']['output_tokens_per_s']:.1f} tok/s one request at a time"
+            + (f", acceptance length {c['acceptance_length']:.3f}" if k else ""))
     return result
 
 
@@ -225,12 +273,18 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
 
 
 def resolve_settings(validate: dict | None, generation: dict) -> dict:
-    """The ``validate:`` config with defaults, ``max_tokens`` falling back to generation.max_tokens."""
+    """The ``validate:`` config with defaults: ``max_tokens`` falling back to generation.max_tokens,
+    ``temperatures`` to 0 and generation.temperature (each once, 0 first), ``top_p`` to generation.top_p."""
     s = {**DEFAULTS, **(validate or {})}
     s["ngram"] = {**DEFAULTS["ngram"], **(s.get("ngram") or {})}
     s["offline"] = {**DEFAULTS["offline"], **(s.get("offline") or {})}
+    gen = {**GENERATION_DEFAULTS, **{k: v for k, v in generation.items() if v is not None}}
     if s["max_tokens"] is None:
-        s["max_tokens"] = generation["max_tokens"]
+        s["max_tokens"] = gen["max_tokens"]
+    temps = s["temperatures"] if s["temperatures"] is not None else [0.0, gen["temperature"]]
+    s["temperatures"] = sorted({float(t) for t in temps} | {0.0})  # T=0 always: the headline and the offline check
+    if s["top_p"] is None:
+        s["top_p"] = gen["top_p"]
     return s
 
 
@@ -240,24 +294,33 @@ def draft_vocabulary(draft_dir) -> dict:
     return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
-def read_prompts(path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row.get("messages"), list):
-                raise ValidationError(f"{path}:{lineno}: a prompt row needs 'messages' (a list of chat turns)")
-            rows.append(row)
-    if not rows:
-        raise ValidationError(f"{path} holds no prompts: set dataset.heldout above 0")
-    return rows
+def score_cells(runs: dict, model, *, z_max: float, tolerance: float, log=print) -> None:
+    """Every cell's outputs scored under the target (``lossless.sequence_scores``), and each
+    speculative run's cell checked against the target alone's cell of the same set and temperature
+    (``lossless.score_check``); adds ``score`` and ``lossless`` to the cells, drops their answers."""
+    by_cell = {name: {(c["set"], c["temperature"]): c for c in r.get("cells", [])} for name, r in runs.items()}
+    for name, cells in by_cell.items():
+        for c in cells.values():
+            c["scores"] = sequence_scores(model, [(a["prompt_token_ids"], a["completion_token_ids"]) for a in c["answers"]])
+    for name, cells in by_cell.items():
+        for key, c in cells.items():
+            ref = by_cell["baseline"].get(key)
+            check = score_check(c["scores"], ref["scores"], z_max=z_max, tolerance=tolerance) if ref else None
+            c["score"] = check["score"] if check else None
+            c["lossless_check"] = None if name == "baseline" else check
+            if check and name != "baseline":
+                log(f"validate_draft: {name} {key[0]} T={key[1]:g}: mean log-prob/token {check['score']:.3f} vs target "
+                    f"alone {check['reference_score']:.3f} (z {check['z']:.1f}): "
+                    + ("lossless within the bound" if check["lossless"] else "NOT LOSSLESS"))
+    for cells in by_cell.values():
+        for c in cells.values():
+            c.pop("scores")
+            c.pop("answers")
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
                    validate: dict | None = None, target=None, hidden_dtype="bfloat16", checkpoint_path=None,
-                   log_dir="logs/validate", workflow_pid=None, log=print) -> dict:
+                   log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None) -> dict:
     """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
@@ -273,7 +336,20 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     if s.get("port"):
         srv = dataclasses.replace(srv, port=s["port"])
     target = target or srv.model
-    settings = request_settings(s["max_tokens"], generation)
+    settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])  # the headline's: T=0
+    # The matrix: every set at every temperature, each measured on every server start.
+    sets = resolve_sets(s["datasets"], heldout_path)
+    cells = []
+    for spec in sets:
+        rows = prompts if spec["name"] == "heldout" else load_set(spec, cache_dir)
+        some = rows[:s["matrix_prompts"]] if s["matrix_prompts"] else rows  # one request at a time costs their tokens
+        log(f"validate_draft: evaluation set '{spec['name']}' ({spec['path']}): {len(rows)} prompts, {len(some)} a cell")
+        spec["prompts"], spec["cell_prompts"] = len(rows), len(some)
+        for t in s["temperatures"]:
+            headline = spec["name"] == "heldout" and t == 0
+            cells.append({"set": spec["name"], "temperature": t, "prompts": rows if headline else some, "headline": headline,
+                          "settings": request_settings(s["max_tokens"], generation, temperature=t, top_p=s["top_p"],
+                                                       seed=s["seed"], chat_template_kwargs=spec["chat_template_kwargs"])})
     runs, formats = {}, {}  # formats: {export format: its run's name}
     plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
     version = vllm_version(srv.python)  # how a speculators draft can be started differs by release
@@ -290,7 +366,8 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         try:
             runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
                                      warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
-                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k)
+                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k,
+                                     cells=cells)
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
         if served_as:
@@ -302,11 +379,14 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     sequences = None
     if off["tokens"] == "served":
         sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in runs["baseline"]["answers"]]
+    model = load_target(target, device=off["device"], dtype=offline_dtype)
     offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
                                  chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
-                                 device=off["device"])
+                                 device=off["device"], model=model)
     log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
         f"({offline['drafts']} drafts, {offline['seconds']} s)")
+    score_cells(runs, model, z_max=s["lossless_z"], tolerance=s["lossless_tolerance"], log=log)
+    del model
 
     checks = cross_checks(target, prompts, runs, generation, offline)
     if checkpoint_path is not None:
@@ -314,8 +394,10 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         checks["export_vs_training"] = [f"{fmt} format: {d}" if len(drafts) > 1 else d for fmt, path in drafts.items()
                                         for d in export_differences(path, checkpoint_path)]
     curves = read_train_metrics(metrics_path)
+    matrix = build_matrix(runs, sets=sets, temperatures=s["temperatures"], top_p=s["top_p"], seed=s["seed"], k=k,
+                          offline=offline, warn_below=s["warn_below"])
     report = build_report(
-        target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
+        matrix=matrix, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
         offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
         settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
                   "min_seconds": s["min_seconds"],
@@ -324,7 +406,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
                   **draft_vocabulary(draft_dir)},
     )
     report["seconds"] = round(time.time() - t0, 1)
-    write_report(report, json_path, html_path, curves)
+    write_report(report, json_path, html_path, curves, csv_path=csv_path)
     for fmt, path in drafts.items():
         write_validation(path, report, fmt)
     per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
