@@ -13,7 +13,6 @@ rule server_ready:
     params:
         server=config["server"],
         log_dir=SERVER_LOG_DIR,
-        concurrency=config["generation"]["concurrency"],
     conda:
         "../envs/eaglenest.yaml"
     log:

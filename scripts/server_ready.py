@@ -12,6 +12,7 @@ from eaglenest.util import say
 cfg = ServerConfig.from_dict(snakemake.params.server)
 ready = start_server(cfg, snakemake.params.log_dir, sentinel=snakemake.output[0],
                      workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
-if warning := kv_shortfall(ready, snakemake.params.concurrency):
+# generation.concurrency is read from the config, not a param: a change must not restart the server.
+if warning := kv_shortfall(ready, snakemake.config["generation"]["concurrency"]):
     say(f"WARNING: {warning}")
 write_sentinel(snakemake.output[0], ready)
