@@ -209,6 +209,7 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
+    k = (spec or {}).get("num_speculative_tokens") or k
     extra = list(server.extra_args) + (["--speculative-config", json.dumps(spec)] if spec else [])
     cfg = dataclasses.replace(server, mode="local", extra_args=extra, keep_server=False)
     paths = LocalPaths(Path(log_dir) / name)
@@ -235,10 +236,10 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                                   api_key=api_key, min_seconds=min_seconds)
             after = settled_counters(url, api_key)
             result["one_request"] = one_request_speed(singles)
-            kk = (spec or {}).get("num_speculative_tokens") or k
-            headline = {**result, **(acceptance(counter_delta(before, after), kk) if kk else {})}
-            result["cells"] = [measure_cell(url, cfg.model_id, c, api_key=api_key, k=kk,
-                                            first=headline if c.get("headline") else None) for c in cells]
+            if k:
+                result.update(acceptance(counter_delta(before, after), k))
+            result["cells"] = [measure_cell(url, cfg.model_id, c, api_key=api_key, k=k,
+                                            first=result if c.get("headline") else None) for c in cells]
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         finally:
@@ -251,12 +252,9 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                    "execution": {True: "eager", False: "compiled"}.get(facts.get("eager")),
                    "kv_cache_gib": facts.get("kv_cache_gib"), "max_concurrency": facts.get("max_concurrency"),
                    "speculative_config": spec})
-    k = (spec or {}).get("num_speculative_tokens") or k
-    if k:
-        result.update(acceptance(counter_delta(before, after), k))
-        if result["drafts"] == 0:
-            raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
-                                  f"(counters {after}); speculation did not run: see {paths.log}")
+    if k and result["drafts"] == 0:
+        raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
+                              f"(counters {after}); speculation did not run: see {paths.log}")
     one = result["one_request"]
     log(f"{name}: one request at a time {one['output_tokens_per_s']:.1f} tok/s ({one['ms_per_token']:.2f} ms/token); "
         f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
