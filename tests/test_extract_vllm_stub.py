@@ -112,10 +112,16 @@ def _run(tmp_path, head, stub, **kw):
                                max_retries=0, progress=False, **kw)
 
 
-def _rerun_leaves_no_file(tmp_path, head, storage):
-    """After a refused answer: the refused file is gone at once, but a request the client cancelled may
-    still be answered, and its file written, after the run failed (a real server finishes it too). Any
-    file left is this shard's, and the rerun removes it as it completes the shard."""
+def _refused_then_rerun(tmp_path, head, match, **fault):
+    """A stub with ``fault`` makes the shard fail with an error matching ``match``, and no shard is
+    written. The refused file is gone at once, but a request the client cancelled may still be
+    answered, and its file written, after the run failed (a real server finishes it too): any file
+    left is this shard's, and the rerun against a healthy stub removes it as it completes the shard."""
+    storage = storage_dir(tmp_path / "states")
+    with StubExtractionServer(storage, 4, 128, **fault) as stub:
+        with pytest.raises(ExtractError, match=match):
+            _run(tmp_path, head, stub)
+    assert not (tmp_path / "shard_0.safetensors").exists()
     left = [p.name for p in storage.iterdir()]
     assert all("eaglenest-shard_0-" in name for name in left), left
     with StubExtractionServer(storage, 4, 128) as stub:
@@ -124,16 +130,10 @@ def _rerun_leaves_no_file(tmp_path, head, storage):
 
 
 def test_token_ids_that_differ_from_those_sent_are_refused_with_the_trace_id(tmp_path, head):
-    storage = storage_dir(tmp_path / "states")
-
     def corrupt(ids):
         return ids[:-1] + [ids[-1] + 1] if ids[2] == 10 else ids  # the trace t3 only
 
-    with StubExtractionServer(storage, 4, 128, corrupt=corrupt) as stub:
-        with pytest.raises(ExtractError, match=r"trace 't3'.*other tokens than those sent.*position 5"):
-            _run(tmp_path, head, stub)
-    assert not (tmp_path / "shard_0.safetensors").exists()
-    _rerun_leaves_no_file(tmp_path, head, storage)
+    _refused_then_rerun(tmp_path, head, r"trace 't3'.*other tokens than those sent.*position 5", corrupt=corrupt)
 
 
 def test_matching_files_pack_into_a_complete_shard(tmp_path, head):
@@ -150,12 +150,7 @@ def test_matching_files_pack_into_a_complete_shard(tmp_path, head):
 
 
 def test_an_answer_without_prompt_logprobs_is_refused_naming_the_trace(tmp_path, head):
-    storage = storage_dir(tmp_path / "states")
-    with StubExtractionServer(storage, 4, 128, no_logprobs=True) as stub:
-        with pytest.raises(ExtractError, match=r"trace 't\d'.*prompt_logprobs is None, expected 6 entries"):
-            _run(tmp_path, head, stub)
-    assert not (tmp_path / "shard_0.safetensors").exists()
-    _rerun_leaves_no_file(tmp_path, head, storage)
+    _refused_then_rerun(tmp_path, head, r"trace 't\d'.*prompt_logprobs is None, expected 6 entries", no_logprobs=True)
 
 
 def test_a_file_outside_the_given_directory_is_not_read(tmp_path, head):
