@@ -12,13 +12,12 @@ norm_before_residual: the check of the export against training names both, and v
 of the wrong draft falls well below the trained one's.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import eager, free_port, server_gone
+from conftest import eager, free_port, measure_draft, server_gone
 
 # The first test to use the session-wide default run pays for it (about 15-30 min on 2 cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -108,10 +107,8 @@ def _wrong_export(src: Path, dst: Path, **changes) -> Path:
 def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
     """A draft whose config.json disagrees with its training is named by the export check, and vLLM
     (which believes the config) accepts it far less often than the draft as trained."""
-    from eaglenest.validation.report import export_differences
-    from eaglenest.serving.settings import ServerConfig
-    from eaglenest.validation.validate import measure_run, read_prompts, request_settings
     from eaglenest.serving.vllm import speculative_config
+    from eaglenest.validation.report import export_differences
 
     wd, cfg, report = default_run
     good = wd / "draft/checkpoint"
@@ -131,12 +128,10 @@ def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
 
     # vLLM's own verdict on the wrong ids, on the held-out prompts the report used.
     k = report["num_speculative_tokens"]
-    server = ServerConfig.from_dict({**eager(cfg["server"]), "port": free_port()})
-    prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
-    run = measure_run("wrong_ids", server, speculative_config("eagle3", k, wrong_ids), prompts,
-                      request_settings(cfg["generation"]["max_tokens"]), log_dir=tmp_path / "logs",
-                      concurrency=8, warmup_requests=1, workflow_pid=os.getpid())
+    server = {**eager(cfg["server"]), "port": free_port()}
+    run = measure_draft("wrong_ids", wd, cfg, speculative_config("eagle3", k, wrong_ids), server=server,
+                        log_dir=tmp_path / "logs")
     # Measured on the 4-layer toy: 3.53 as trained, 2.98 with the top layer one up.
     good_length = report["eagle3"]["acceptance_length"]
     assert run["acceptance_length"] < 0.92 * good_length, (run["acceptance_length"], good_length)
-    server_gone(server.port)
+    server_gone(server["port"])
