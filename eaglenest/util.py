@@ -22,6 +22,12 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def file_in(attribute: str, name: str) -> property:
+    """A read-only property: the file ``name`` in the directory the instance's ``attribute`` holds
+    (e.g. ``log = file_in("log_dir", "vllm.log")``)."""
+    return property(lambda self: Path(getattr(self, attribute)) / name, doc=f"{attribute}/{name}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Atomic writes: a reader never sees half a file, even after a crash.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import ServerError
 from ..gpus import nvidia_smi, visible_devices
-from ..util import say, write_atomic
+from ..util import file_in, say, write_atomic
 from . import vllm
 from .backend import Backend, alive, log_tail, signal_group, watchdog_command
 from .probe import is_serving
@@ -104,14 +104,8 @@ class LocalPaths:
     """Where a local server keeps its pidfile and log (under the workflow's logs/)."""
 
     log_dir: Path
-
-    @property
-    def pidfile(self) -> Path:
-        return self.log_dir / "vllm.pid.json"
-
-    @property
-    def log(self) -> Path:
-        return self.log_dir / "vllm.log"
+    pidfile = file_in("log_dir", "vllm.pid.json")
+    log = file_in("log_dir", "vllm.log")
 
 
 def read_pidfile(paths: LocalPaths) -> dict | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..config import schema_field
 from ..errors import ConfigError, ServerError
-from ..util import say, write_atomic
+from ..util import file_in, say, write_atomic
 from .backend import Backend, log_tail, signal_group, watchdog_command
 from .local import launch_env, vllm_command
 from .settings import ServerConfig, check_model_path
@@ -90,14 +90,8 @@ class SlurmPaths:
     """Where the server job's record and logs live (the workflow's logs/server/)."""
 
     log_dir: Path
-
-    @property
-    def record(self) -> Path:
-        return self.log_dir / "slurm.job.json"
-
-    @property
-    def log_pattern(self) -> Path:
-        return self.log_dir / "vllm.slurm-%j.log"  # sbatch puts the job id in place of %j
+    record = file_in("log_dir", "slurm.job.json")
+    log_pattern = file_in("log_dir", "vllm.slurm-%j.log")  # sbatch puts the job id in place of %j
 
 
 # ---------------------------------------------------------------------------------------------
