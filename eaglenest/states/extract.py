@@ -100,9 +100,9 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
 PROMPT_LOGIT_BYTES = 6
 
 
-def target_vocab_size(model: str) -> int | None:
-    """The target's vocabulary from its config.json: a local directory, else the Hugging Face cache
-    ($HF_HOME / $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
+def target_config(model: str) -> dict | None:
+    """The target's config.json: a local directory, else the Hugging Face cache ($HF_HOME /
+    $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
     path = Path(model) / "config.json"
     if not path.is_file():
         from huggingface_hub import try_to_load_from_cache
@@ -114,7 +114,14 @@ def target_vocab_size(model: str) -> int | None:
         if not isinstance(cached, str):
             return None
         path = Path(cached)
-    config = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def target_vocab_size(model: str) -> int | None:
+    """The target's vocabulary from its config.json (``target_config``); None when it is not here."""
+    config = target_config(model)
+    if config is None:
+        return None
     # multimodal targets (Kimi-K2.5) keep the language model's keys under text_config
     return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
 
