@@ -83,7 +83,7 @@ def target_hidden_size(config: dict) -> tuple[int | None, str]:
     (a local directory or the Hugging Face cache)."""
     if config["plan"]["hidden_size"]:
         return config["plan"]["hidden_size"], "plan.hidden_size"
-    from .states.extract import target_config
+    from .states.target import target_config
 
     model = config["hidden"]["target"] or config["server"]["model"]
     cfg = target_config(model) or {}
