@@ -12,28 +12,11 @@ import time
 
 import pytest
 
-from conftest import prompt_ids, read_lines, server_gone, start_workflow, write_config
+from conftest import prompt_ids, read_lines, server_gone, start_workflow, two_free_ports, write_config
 from eaglenest.data.traces import generate_shard
 from eaglenest.serving.local import LocalPaths, read_pidfile
 
 pytestmark = pytest.mark.vllm
-
-
-def two_free_ports() -> int:
-    """A port p with p and p + 1 both free (replica i listens on server.port + i)."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-            except OSError:
-                continue
-    pytest.fail("no two adjacent free ports")
 
 
 def wait_for(what, check, proc, timeout=600.0):
