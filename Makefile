@@ -10,7 +10,7 @@ EAGLENEST_DEVICE ?=
 GPU ?= $(if $(filter cuda,$(EAGLENEST_DEVICE)),1,$(if $(filter cpu,$(EAGLENEST_DEVICE)),0,$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)))
 SNAKEMAKE_ARGS ?=
 
-.PHONY: run test test-quick install clean-outputs lock-cpu lock-gpu
+.PHONY: run plan test test-quick install clean-outputs lock-cpu lock-gpu
 
 install: $(STAMP)
 
@@ -48,6 +48,13 @@ endif
 
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
+
+# What a run will cost, before any job: prompts, tokens, hidden-state disk (files against stream), GPUs
+# and replicas per stage, the projected generation time once shards have finished. CONFIG=configs/x.yaml
+# plans a preset (default: config.yaml); `snakemake -n` prints the same lines.
+CONFIG ?= config.yaml
+plan: $(STAMP)
+	$(PY) -m eaglenest.plan --configfile $(CONFIG)
 
 # Lint first (seconds), then the tests. The SLURM tests start their own one-node cluster (ci/slurm.sh:
 # private config, ports and munge; no system SLURM touched); it needs root, as CI has, else they skip.

@@ -123,3 +123,36 @@ def hold_gpus(n: int, log=print) -> list[int]:
 
 
 _held: list = []
+
+
+def device_groups(n: int, size: int, devices: list[int]) -> list[list[int]]:
+    """``n`` disjoint groups of ``size`` devices each, in order (server replicas of tensor-parallel
+    ``size``); [] per group where ``devices`` is empty (a CPU machine). GpuError when too few."""
+    if not devices:
+        return [[] for _ in range(n)]
+    if n * size > len(devices):
+        raise GpuError(f"server.replicas={n} x tensor_parallel_size={size} needs {n * size} GPUs, but "
+                       f"{len(devices)} are there ({devices}): lower server.replicas or run where more GPUs are")
+    return [devices[i * size:(i + 1) * size] for i in range(n)]
+
+
+def lock_devices(devices: list[int], locks: Path | None = None) -> list[int]:
+    """Take the lock of each of ``devices`` at once (claim_gpus' lock files), for a process that hands the
+    descriptors to a long-lived child (a vLLM server, ``pass_fds``), which then holds them until it
+    exits. GpuError, holding nothing, when another job holds one."""
+    locks = lock_dir() if locks is None else Path(locks)
+    locks.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fds = []
+    try:
+        for d in devices:
+            fd = open_locked(locks / f"gpu{d}.lock", GpuError(
+                f"GPU {d} is claimed by another job of this user (lock {locks / f'gpu{d}.lock'}): wait for it, "
+                f"or give this server other GPUs (CUDA_VISIBLE_DEVICES in server.env)"))
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            fds.append(fd)
+    except GpuError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds

@@ -21,6 +21,7 @@ from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
 from eaglenest.data.traces import ANSWER_SETTINGS
+from eaglenest.plan import format_plan, make_plan, stage_gpus
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
@@ -76,18 +77,8 @@ def all_cores():
 
 
 def gpus(section):
-    """GPUs for the jobs of one config section (hidden, train, validate): `<section>.gpus` when set.
-    Unset, under server.mode slurm they follow the server job's GPUs (server.slurm.gpus, else
-    tensor_parallel_size), never the submitting node, a login node without GPUs; elsewhere the GPUs of
-    this machine. Validation starts the target's servers, so it takes the server's count; the others one."""
-    n = config[section]["gpus"]
-    if n is not None:
-        return n
-    if SERVER.mode == "slurm":
-        server = server_gpus(SERVER, SLURM)
-    else:
-        server = SERVER.tensor_parallel_size if HAS_GPU else 0
-    return server if section == "validate" else min(1, server)
+    """GPUs for the jobs of one config section (hidden, train, validate): eaglenest.plan.stage_gpus."""
+    return stage_gpus(config, section, HAS_GPU)
 
 
 def gpu_resources(section):
@@ -95,6 +86,11 @@ def gpu_resources(section):
     else $EAGLENEST_GPU_PARTITION), so GPU jobs never land in $SBATCH_PARTITION's CPU partition."""
     n, partition = gpus(section), gpu_partition(SLURM)
     return {"gpu": n, "slurm_partition": partition} if n and partition else {"gpu": n}
+
+
+if workflow.is_main_process:
+    # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size.
+    logger.info(f"eaglenest: {format_plan(make_plan(config, has_gpu=HAS_GPU))}")
 
 
 if SERVER.mode == "slurm":

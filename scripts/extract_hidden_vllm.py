@@ -10,7 +10,7 @@ from eaglenest.states.extract import extract_hidden_vllm
 h = snakemake.config["hidden"]
 api_key = ServerConfig.from_dict(snakemake.config["server"]).api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)
-extract_hidden_vllm([snakemake.input.traces], snakemake.output[0], url=ready["urls"][0], model=ready["model"],
+extract_hidden_vllm([snakemake.input.traces], snakemake.output[0], url=ready["urls"], model=ready["model"],
                     head_path=snakemake.input.head, storage=ready["states_dir"], max_length=h["max_length"],
                     use_truncated=h["use_truncated"], concurrency=h["concurrency"],
                     request_timeout=h["request_timeout"], max_retries=h["max_retries"],

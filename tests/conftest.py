@@ -47,6 +47,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def two_free_ports() -> int:
+    """A port p with p and p + 1 both free (replica i listens on server.port + i)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+            except OSError:
+                continue
+    pytest.fail("no two adjacent free ports")
+
+
 def merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():

@@ -73,6 +73,14 @@ def resolved(tmp_path_factory):
     return runs
 
 
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_the_dry_run_prints_the_plan_before_any_job(path, resolved):
+    """`snakemake -n` shows what the run will cost (eaglenest.plan; its figures: tests/test_plan.py)."""
+    cfg, out = resolved[path.name]
+    assert "eaglenest: plan:" in out and f"{cfg['dataset']['limit']:,} (dataset.limit" in out
+    assert f"replicas: {cfg['server']['replicas']}" in out and "GPUs, generate_traces:" in out
+
+
 def test_there_are_presets_with_slurm_variants():
     names = {p.name for p in PRESETS}
     assert {"llama-3.1-8b-instruct.yaml", "qwen3-8b-thinking.yaml", "kimi-k2.5-int4.yaml"} <= names

@@ -374,6 +374,10 @@ class _ShardRun:
         now = time.monotonic()
         if server.down_since is None:
             server.down_since = now
+            if len(self.servers) > 1:
+                up = sum(s.down_since is None for s in self.servers)
+                say(f"WARNING: {self.shard}: the replica at {server.url} stopped answering ({failure}): dropped "
+                    f"until it answers again; its requests go to the {up} others")
         server.failures += 1
         server.last_failure = failure
         server.probe_at = now + self._backoff(server.failures, None)

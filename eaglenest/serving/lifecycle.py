@@ -13,8 +13,11 @@ outlive the server, so consumers call `probe.check_sentinel` before use.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
+from ..gpus import device_groups, physical_gpus, visible_devices
 from ..util import say, write_atomic
 from .backend import Backend, ExternalServer
 from .local import LocalPaths, LocalServer
@@ -39,31 +42,87 @@ def wait_ready(cfg: ServerConfig, paths: LocalPaths | SlurmPaths | None = None, 
     return (LocalServer(cfg, paths) if paths else ExternalServer(cfg)).wait_ready(log=log)
 
 
+REPLICA_PREFIX = "replica_"
+
+
+def replica_dir(log_dir: str | Path, i: int) -> Path:
+    """Where replica ``i`` keeps its records: the log directory itself for the first (as a single
+    server does), ``replica_<i>/`` below it for the others."""
+    return Path(log_dir) / f"{REPLICA_PREFIX}{i}" if i else Path(log_dir)
+
+
+def replica_configs(cfg: ServerConfig) -> list[ServerConfig]:
+    """One config per replica (``server.replicas``): replica i listens on ``port + i``; in local mode
+    on a GPU machine it gets its own group of ``tensor_parallel_size`` GPUs (CUDA_VISIBLE_DEVICES in its
+    env) of those server.env, this process or nvidia-smi give."""
+    if cfg.mode == "external" or cfg.replicas == 1:
+        return [cfg]
+    groups = [[] for _ in range(cfg.replicas)]
+    if cfg.mode == "local":
+        visible = cfg.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+        groups = device_groups(cfg.replicas, cfg.tensor_parallel_size,
+                               visible_devices(visible) if visible else physical_gpus())
+    return [dataclasses.replace(cfg, port=cfg.port + i,
+                                env={**cfg.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, g))} if g else cfg.env)
+            for i, g in enumerate(groups)]
+
+
 def start_server(cfg: ServerConfig, log_dir: str | Path, *, sentinel: str | Path | None = None,
                  workflow_pid: int | None = None, log=say) -> dict:
-    """Start (local), submit (slurm) or find (external) the server and wait until it serves.
+    """Start (local), submit (slurm) or find (external) the server's replicas and wait until they serve.
 
-    Returns what server.ready holds. A local server or SLURM job that never becomes ready is stopped
-    before the error propagates, so it never holds GPUs or the port."""
-    server = backend(cfg, log_dir)
-    server.start(sentinel=sentinel, workflow_pid=workflow_pid, log=log)
+    Returns what server.ready holds: the URLs of the replicas that serve (``urls``), the first one's
+    facts, and each one's (``replicas``). A replica that never becomes ready is stopped, so it never
+    holds GPUs or the port; with others serving it is dropped with a warning, with none the first
+    error propagates."""
+    servers = [backend(c, replica_dir(log_dir, i)) for i, c in enumerate(replica_configs(cfg))]
     try:
-        return server.wait_ready(log=log)
+        for server in servers:
+            server.start(sentinel=sentinel, workflow_pid=workflow_pid, log=log)
     except BaseException:
-        server.stop(log=log)
+        for server in servers:
+            server.stop(log=log)
         raise
+    ready, failed = [], None
+    for i, server in enumerate(servers):
+        try:
+            ready.append(server.wait_ready(log=log))
+        except Exception as e:
+            server.stop(log=log)
+            if len(servers) == 1:
+                raise
+            log(f"WARNING: replica {i} of {len(servers)} dropped: {e}")
+            failed = failed or e
+        except BaseException:
+            for s in servers:
+                s.stop(log=log)
+            raise
+    if not ready:
+        raise failed
+    if len(servers) == 1:
+        return ready[0]
+    return {**ready[0], "urls": [u for r in ready for u in r["urls"]], "replicas": ready}
+
+
+def replica_dirs(log_dir: str | Path) -> list[Path]:
+    """The log directory and every replica directory below it: a rerun with fewer replicas still
+    finds the servers of the others."""
+    log_dir = Path(log_dir)
+    return [log_dir, *sorted(log_dir.glob(f"{REPLICA_PREFIX}*"))]
 
 
 def stop_server(cfg: ServerConfig, log_dir: str | Path, log=say) -> str:
-    """Stop the local server or cancel the SLURM job this workflow started, unless server.keep_server;
-    an external server is left alone. Returns what happened, in a few words."""
+    """Stop every local replica or cancel every SLURM job this workflow started, unless
+    server.keep_server; an external server is left alone. Returns what happened, in a few words."""
     if cfg.mode not in ("local", "slurm"):
         return f"left alone ({cfg.mode} mode)"
     if cfg.keep_server:
         return "kept (server.keep_server)"
-    if not backend(cfg, log_dir).stop(log=log):
+    stopped = sum(backend(cfg, d).stop(log=log) for d in replica_dirs(log_dir))
+    if not stopped:
         return "not running"
-    return "stopped" if cfg.mode == "local" else "cancelled (SLURM job)"
+    what = "stopped" if cfg.mode == "local" else "cancelled (SLURM job)"
+    return what if stopped == 1 else f"{stopped} replicas {what}"
 
 
 def kv_shortfall(ready: dict, concurrency: int) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ServerError
-from ..gpus import nvidia_smi, visible_devices
+from ..gpus import lock_devices, nvidia_smi, physical_gpus, visible_devices
 from ..util import file_in, say, write_atomic
 from . import vllm
 from .backend import Backend, alive, log_tail, signal_group, watchdog_command
@@ -154,12 +154,18 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
 
     cmd = vllm_command(cfg)
     env = launch_env(cfg, api_key)
+    # A replica's GPU group is claimed (gpus.py's locks) for as long as the server runs: it holds the locks.
+    locks = lock_devices(_server_devices(cfg)) if cfg.replicas > 1 and physical_gpus() else []
     logf = open(paths.log, "ab")
     logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
     logf.flush()
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
-    logf.close()
+    try:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True, pass_fds=locks)
+    finally:
+        logf.close()
+        for fd in locks:
+            os.close(fd)
     record = {"pid": proc.pid, "pgid": proc.pid, "port": cfg.port, "host": cfg.host,
               "url": cfg.local_url, "model": cfg.model_id, "command": cmd, "log": str(paths.log),
               "started_at": time.time(), "keep": cfg.keep_server,

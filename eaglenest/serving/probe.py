@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import requests
 
 from ..errors import ServerError
+from ..util import say
 from .settings import key_hint
 
 
@@ -89,11 +90,13 @@ def describe_os_error(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
-def check_sentinel(sentinel_path: str | Path, api_key: str | None = None) -> dict:
+def check_sentinel(sentinel_path: str | Path, api_key: str | None = None, log=say) -> dict:
     """Re-check that the servers a `server.ready` sentinel describes still answer with its model.
 
-    A sentinel outlives its server (a crash, a stop); this turns that into one clear error. A server
-    that refuses the key raises probe's ServerError, which says so, rather than calling it stale."""
+    A sentinel outlives its server (a crash, a stop); this turns that into one clear error when no
+    server of it answers. Replicas (server.replicas) that no longer answer are dropped from the
+    returned ``urls`` with a warning: the others take their requests. A server that refuses the key
+    raises probe's ServerError, which says so, rather than calling it stale."""
     info = json.loads(Path(sentinel_path).read_text())
     dead = []
     for u in info["urls"]:
@@ -102,9 +105,13 @@ def check_sentinel(sentinel_path: str | Path, api_key: str | None = None) -> dic
                 dead.append(u)
         except (OSError, ValueError):
             dead.append(u)
-    if dead:
+    if len(dead) == len(info["urls"]):
         raise ServerError(
             f"{sentinel_path} is stale: the server at {', '.join(dead)} no longer serves "
             f"'{info['model']}'. Delete it and rerun, e.g. `rm {sentinel_path} && snakemake --cores all`, "
             f"so the workflow starts (or waits for) the server again.")
+    if dead:
+        log(f"WARNING: the replica(s) at {', '.join(dead)} no longer serve '{info['model']}': dropped; "
+            f"the {len(info['urls']) - len(dead)} others take their requests")
+        info["urls"] = [u for u in info["urls"] if u not in dead]
     return info

@@ -35,6 +35,7 @@ class ServerConfig:
     host: str = schema_field("server", "host")
     port: int = schema_field("server", "port")
     urls: list[str] = schema_field("server", "urls")
+    replicas: int = schema_field("server", "replicas")
     tensor_parallel_size: int = schema_field("server", "tensor_parallel_size")
     max_model_len: int | None = schema_field("server", "max_model_len")
     reasoning_parser: str | None = schema_field("server", "reasoning_parser")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import glob
-import json
 import os
 import threading
 import time
@@ -49,14 +48,14 @@ import torch
 
 from ..errors import ConfigError, EaglenestError
 from ..gpus import nvidia_smi
-from ..serving.client import (CONNECTION_ERRORS, RETRY_STATUSES, RetryPolicy, auth_hint, describe_client_error,
-                              open_session, run_workers)
+from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, RETRY_STATUSES, RetryPolicy, auth_hint,
+                              describe_client_error, open_session, run_workers)
 from ..serving.connector import read_states, remove_states
 from ..serving.settings import ServerConfig
 from ..serving.vllm import extraction_layer_ids, extraction_server_args, vllm_version
 from ..util import open_locked, progress_bar, say
 from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
-from .target import load_target_head
+from .target import load_target_head, target_config
 
 BACKEND = "vllm"
 
@@ -74,7 +73,8 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     """The extraction server: the generation server's settings plus extraction mode.
 
     ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
-    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + 1``),
+    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + server.replicas``,
+    past the trace server's replicas; its own replica i on that port + i),
     with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
     (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
@@ -88,11 +88,13 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
         max_len = hidden["max_length"] + 1
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
-        cfg, port=hidden.get("port") or cfg.port + 1, max_model_len=max_len, reasoning_parser=None, env=env,
+        cfg, port=hidden.get("port") or cfg.port + cfg.replicas, max_model_len=max_len, reasoning_parser=None, env=env,
         gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
         # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
         kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,
-        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args, vllm_version(cfg.python)))
+        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args, vllm_version(cfg.python)),
+        # stream mode reads from one server, which may share the trainer's GPUs: no replicas there
+        replicas=1 if hidden.get("mode") == "stream" else cfg.replicas)
 
 
 # vLLM makes a request's prompt logits at once, beyond its start-up memory profile (module docstring):
@@ -101,20 +103,10 @@ PROMPT_LOGIT_BYTES = 6
 
 
 def target_vocab_size(model: str) -> int | None:
-    """The target's vocabulary from its config.json: a local directory, else the Hugging Face cache
-    ($HF_HOME / $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            cached = try_to_load_from_cache(model, "config.json")
-        except ValueError:  # not a repo id either
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    config = json.loads(path.read_text())
+    """The target's vocabulary from its config.json (``target_config``); None when it is not here."""
+    config = target_config(model)
+    if config is None:
+        return None
     # multimodal targets (Kimi-K2.5) keep the language model's keys under text_config
     return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
 
@@ -191,7 +183,7 @@ def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage
     staging = min(concurrency, len(seqs)) * client.file_bytes(longest)
     partial = out_path.with_name(out_path.name + ".partial")
     have = partial.stat().st_size if partial.is_file() else 0
-    say(f"extract_hidden (vLLM at {url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
+    say(f"extract_hidden (vLLM at {client.url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
         f"about {needed / 2**30:.3f} GiB on disk (+{staging / 2**30:.3f} GiB of per-request files in {storage})")
     check_free_disk({Path(out_path).resolve().parent: needed - have, Path(storage): staging}, f"{out_path}",
                     "the shard and the per-request files of hidden.concurrency requests; free space, or lower "
@@ -333,7 +325,10 @@ class StatesClient:
 
     def __init__(self, *, url, model, storage, head_path, request_timeout, retry: RetryPolicy, api_key):
         head, info = load_target_head(head_path)
-        self.url, self.model, self.storage = url.rstrip("/"), model, Path(storage).resolve()
+        # ``url``: one server's base URL, or the replicas' (server.replicas), which share the requests
+        self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        self.url, self.model, self.storage = ", ".join(self.urls), model, Path(storage).resolve()
+        self.in_flight, self.down = dict.fromkeys(self.urls, 0), set()
         self.ids_wanted, self.hidden_size = layer_ids(info), int(info["hidden_size"])
         self.aux_layers = self.ids_wanted[:-1]
         self.norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
@@ -353,10 +348,14 @@ class StatesClient:
         target_next int32 [n])`` (``greedy_tokens``)."""
         body = {"model": self.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": 1, "return_token_ids": True}
-        for attempt in range(1, self.retry.max_retries + 2):
+        attempt = 0
+        while attempt <= self.retry.max_retries:
+            attempt += 1
             req_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
+            url = self.pick()
+            self.in_flight[url] += 1
             try:
-                async with session.post(self.url + "/v1/completions", json=body,
+                async with session.post(url + "/v1/completions", json=body,
                                         headers={"X-Request-Id": req_id}) as r:
                     raw = await r.read()
                     if r.status == 200:
@@ -371,6 +370,11 @@ class StatesClient:
                                            f"{rid!r} ({len(ids)} tokens): {what}")
             except CONNECTION_ERRORS as e:
                 what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
+                if isinstance(e, CONNECTION_LOST) and self.drop(url, what, where):
+                    attempt -= 1  # another replica serves: this attempt does not count
+                    continue
+            finally:
+                self.in_flight[url] -= 1
             if attempt == self.retry.max_retries + 1:
                 raise ExtractError(
                     f"{where}: the extraction server at {self.url} stopped answering ({what}) after "
@@ -394,6 +398,21 @@ class StatesClient:
                                "that answers prompt_logprobs and return_token_ids (the one the workflow starts, "
                                "see hidden_server.ready)") from None
         return path, nxt
+
+    def pick(self) -> str:
+        """The replica with the fewest requests in flight among those still serving (all down: any)."""
+        serving = [u for u in self.urls if u not in self.down] or self.urls
+        return min(serving, key=self.in_flight.__getitem__)
+
+    def drop(self, url, what, where) -> bool:
+        """Drop a replica that lost its connection, with a warning; True while others still serve."""
+        if len(self.urls) == 1:
+            return False
+        if url not in self.down:
+            self.down.add(url)
+            say(f"WARNING: {where}: the extraction replica at {url} stopped answering ({what}): dropped, "
+                f"its requests go to the {len(self.urls) - len(self.down)} others")
+        return len(self.down) < len(self.urls)
 
     def states(self, path, rid, ids, *, where, kept):
         """``(aux bf16 [n, 3H], last bf16 [n, H])`` of the file at ``path``, which is deleted."""

@@ -274,3 +274,20 @@ def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                         **(chat_template_kwargs or {}))
     return list(ids)
+
+
+def target_config(model: str) -> dict | None:
+    """The target's config.json: a local directory, else the Hugging Face cache ($HF_HOME /
+    $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a repo id either
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    return json.loads(path.read_text())

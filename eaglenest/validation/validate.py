@@ -211,7 +211,7 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                               "per run; remove it from server.extra_args")
     k = (spec or {}).get("num_speculative_tokens") or k
     extra = list(server.extra_args) + (["--speculative-config", json.dumps(spec)] if spec else [])
-    cfg = dataclasses.replace(server, mode="local", extra_args=extra, keep_server=False)
+    cfg = dataclasses.replace(server, mode="local", extra_args=extra, keep_server=False, replicas=1)  # one server
     paths = LocalPaths(Path(log_dir) / name)
     stop_local(paths, log=log)  # a server left by a killed earlier validation
     api_key = cfg.api_key(create=True)  # the run's own key where server.host is not loopback

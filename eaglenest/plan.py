@@ -1,0 +1,249 @@
+"""What a run will cost, from the config and the dataset's size alone, before any job runs.
+
+`make_plan` computes the figures (prompts, the upper bound on tokens, the hidden states' disk in
+`files` mode against `stream` mode's budget, the GPUs each stage holds and the servers' replicas,
+and, once trace shards have finished, the projected generation time from their measured rate);
+`format_plan` writes them as the lines the workflow logs at every start (dry-runs included) and
+`python -m eaglenest.plan` (`make plan`) prints. Nothing here downloads anything or starts a job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .serving.settings import ServerConfig
+from .serving.slurm import SlurmSettings
+from .serving.slurm import server_gpus as slurm_server_gpus
+
+# The shard's bytes per token, with H the target's hidden size: bf16 states of 3 aux layers + the
+# last (4 x 2 x H), the int64 token id, the int32 target_next and the bool mask (README, "Disk per token").
+SHARD_BYTES_PER_TOKEN = (8, 13)  # (per unit of H, fixed)
+# files mode needs more than this, or more than the free disk: the plan suggests stream mode.
+SUGGEST_STREAM_BYTES = 10**12
+
+
+def shard_bytes_per_token(hidden_size: int) -> int:
+    per_h, fixed = SHARD_BYTES_PER_TOKEN
+    return per_h * hidden_size + fixed
+
+
+def stage_gpus(config: dict, section: str, has_gpu: bool) -> int:
+    """GPUs of one job of a config section (hidden, train, validate): `<section>.gpus` when set.
+    Unset, under server.mode slurm they follow the server job's GPUs (server.slurm.gpus, else
+    tensor_parallel_size), never the submitting node, a login node without GPUs; elsewhere the GPUs of
+    this machine. Validation starts the target's servers, so it takes the server's count; the others one."""
+    n = config[section]["gpus"]
+    if n is not None:
+        return n
+    server = server_gpus(config) if config["server"]["mode"] == "slurm" else (
+        config["server"]["tensor_parallel_size"] if has_gpu else 0)
+    return server if section == "validate" else min(1, server)
+
+
+def server_gpus(config: dict) -> int:
+    """GPUs of one server (one replica): under SLURM its job's (serving.slurm.server_gpus); elsewhere
+    tensor_parallel_size."""
+    s = config["server"]
+    if s["mode"] == "slurm":
+        return slurm_server_gpus(ServerConfig.from_dict(s), SlurmSettings.from_dict(s["slurm"]))
+    return s["tensor_parallel_size"]
+
+
+def dataset_rows(path: str) -> int | None:
+    """Rows of a local dataset (jsonl and csv by lines, parquet from its metadata, json loaded);
+    None for a hub name or a file of another kind (nothing is downloaded)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return None
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    rows = 0
+    for f in files:
+        name = f.name.lower()
+        if name.endswith(".jsonl"):
+            with open(f, "rb") as fh:
+                rows += sum(1 for line in fh if line.strip())
+        elif name.endswith(".csv"):
+            with open(f, "rb") as fh:
+                rows += max(0, sum(1 for _ in fh) - 1)
+        elif name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            rows += pq.ParquetFile(f).metadata.num_rows
+        elif name.endswith(".json"):
+            data = json.loads(f.read_text())
+            rows += len(data) if isinstance(data, list) else 1
+    return rows
+
+
+def target_hidden_size(config: dict) -> tuple[int | None, str]:
+    """The target's hidden size and where it was read: `plan.hidden_size`, else the target's config.json
+    (a local directory or the Hugging Face cache)."""
+    if config["plan"]["hidden_size"]:
+        return config["plan"]["hidden_size"], "plan.hidden_size"
+    from .states.target import target_config
+
+    model = config["hidden"]["target"] or config["server"]["model"]
+    cfg = target_config(model) or {}
+    h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+    return h, f"{model}'s config.json"
+
+
+@dataclass
+class Plan:
+    prompts: int | None          # training prompts (None: unknown, a hub dataset without limit)
+    prompts_source: str
+    max_tokens: int
+    sequence_tokens: int | None  # the longest sequence the hidden states hold
+    generated_tokens: int | None  # upper bound over the run
+    state_tokens: int | None      # upper bound of tokens in the hidden states
+    hidden_size: int | None
+    hidden_size_source: str
+    files_bytes: int | None       # hidden.mode files: the shards
+    stream_bytes: int             # hidden.mode stream: hidden.max_disk_gb
+    free_bytes: int | None
+    mode: str
+    replicas: int
+    server_mode: str
+    gpus: dict = field(default_factory=dict)  # stage -> words
+    measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
+
+    @property
+    def suggest_stream(self) -> bool:
+        big = self.files_bytes is not None and (self.files_bytes >= SUGGEST_STREAM_BYTES or
+                                                (self.free_bytes is not None and self.files_bytes > self.free_bytes))
+        return self.mode == "files" and big
+
+
+def training_prompts(config: dict, workdir: Path) -> tuple[int | None, str]:
+    """How many prompts the traces answer: data/prompts/stats.json once prepare_prompts has run, else
+    the local dataset's rows less the held-out ones (capped by dataset.limit), else dataset.limit."""
+    d = config["dataset"]
+    stats = workdir / "data" / "prompts" / "stats.json"
+    if stats.is_file():
+        return json.loads(stats.read_text())["train"], str(stats)
+    rows = dataset_rows(d["path"])
+    if rows is not None:
+        n = max(0, rows - d["heldout"])
+        return (min(n, d["limit"]) if d["limit"] else n), f"{d['path']}: {rows} rows, at most"
+    if d["limit"]:
+        return d["limit"], "dataset.limit, at most"
+    return None, f"{d['path']} (a hub dataset without dataset.limit: its size is not known before it is read)"
+
+
+def measured_rate(workdir: Path, prompts: int | None) -> dict | None:
+    """From the finished trace shards' stats: records done, requests per second over their runs, and
+    the seconds the rest would take at that rate. None before any shard has stats."""
+    done = answered = 0
+    wall = 0.0
+    for f in sorted((workdir / "traces").glob("shard_*.stats.json")):
+        s = json.loads(f.read_text())
+        done += s.get("records", 0)
+        answered += s.get("completed", 0)
+        wall += s.get("wall_s") or 0.0
+    if not answered or wall <= 0:
+        return None
+    rate = answered / wall
+    remaining = max(0, (prompts or done) - done)
+    return {"done": done, "rate": rate, "remaining_s": remaining / rate}
+
+
+def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = None) -> Plan:
+    """The plan of a resolved config (schema defaults filled in) in working directory ``workdir``."""
+    workdir = Path(workdir)
+    has_gpu = bool(shutil.which("nvidia-smi")) if has_gpu is None else has_gpu
+    s, g, h = config["server"], config["generation"], config["hidden"]
+    prompts, source = training_prompts(config, workdir)
+    limits = [h["max_length"], s["max_model_len"], config["dataset"]["max_prompt_chars"] + g["max_tokens"]]
+    seq = min(x for x in limits if x)
+    hidden_size, hsource = target_hidden_size(config)
+    state_tokens = prompts * seq if prompts is not None else None
+    free = shutil.disk_usage(workdir if workdir.exists() else ".").free
+    plan = Plan(prompts=prompts, prompts_source=source, max_tokens=g["max_tokens"], sequence_tokens=seq,
+                generated_tokens=prompts * g["max_tokens"] if prompts is not None else None,
+                state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
+                files_bytes=state_tokens * shard_bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
+                stream_bytes=int(h["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
+                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts))
+    plan.gpus = stage_plan(config, has_gpu)
+    return plan
+
+
+def stage_plan(config: dict, has_gpu: bool) -> dict:
+    """What each stage holds, in words: servers (replicas x GPUs, SLURM jobs) and the rules' GPUs."""
+    s, h = config["server"], config["hidden"]
+
+    def servers(what):
+        per, n = server_gpus(config), s["replicas"]
+        if s["mode"] == "external":
+            return f"{len(s['urls'])} external {what}(s) at server.urls, none started here"
+        where = "SLURM job" if s["mode"] == "slurm" else "local " + what
+        cpu = "" if has_gpu or s["mode"] == "slurm" else " (no GPU on this machine: vLLM runs on its CPU)"
+        return f"{n} {where}(s) x {per} GPUs = {n * per} GPUs{cpu}"
+
+    extraction = (servers("extraction server") if h["backend"] == "vllm" else
+                  f"{stage_gpus(config, 'hidden', has_gpu)} GPUs per extract_hidden job (transformers)")
+    return {"generate_traces": servers("server"), "extract_hidden": extraction,
+            "train_draft": f"{stage_gpus(config, 'train', has_gpu)} GPUs",
+            "validate_draft": f"{stage_gpus(config, 'validate', has_gpu)} GPUs (one server at a time)"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def human_seconds(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a few lines of text."""
+    n = f"{p.prompts:,}" if p.prompts is not None else "unknown"
+    lines = ["plan:", f"  prompts: {n} ({p.prompts_source})"]
+    if p.prompts is not None:
+        lines.append(f"  tokens: at most {p.generated_tokens:,} generated ({n} x generation.max_tokens {p.max_tokens:,}); "
+                     f"at most {p.state_tokens:,} in the hidden states ({p.sequence_tokens:,} a sequence)")
+    if p.files_bytes is not None:
+        per = shard_bytes_per_token(p.hidden_size)
+        lines.append(f"  hidden states, files mode: up to {human_bytes(p.files_bytes)} of shards ({per:,} B a token, "
+                     f"hidden size {p.hidden_size} from {p.hidden_size_source}); free here: {human_bytes(p.free_bytes)}")
+    else:
+        lines.append(f"  hidden states, files mode: unknown (no hidden size: {p.hidden_size_source} not found; "
+                     "set plan.hidden_size)")
+    lines.append(f"  hidden states, stream mode: at most {human_bytes(p.stream_bytes)} at once (hidden.max_disk_gb)")
+    lines.append(f"  hidden.mode: {p.mode}" + ("  <- suggest hidden.mode: stream: files mode needs "
+                                               f"{human_bytes(p.files_bytes)}" if p.suggest_stream else ""))
+    lines.append(f"  replicas: {p.replicas} (server.replicas, server.mode {p.server_mode})")
+    lines += [f"  GPUs, {stage}: {what}" for stage, what in p.gpus.items()]
+    if p.measured:
+        m = p.measured
+        lines.append(f"  generation so far: {m['done']:,} traces at {m['rate']:.2f} requests/s; the rest "
+                     f"about {human_seconds(m['remaining_s'])} at that rate")
+    else:
+        lines.append("  generation time: projected once a trace shard has finished")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import yaml
+
+    from .config import validate_config
+
+    p = argparse.ArgumentParser(prog="python -m eaglenest.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: config.yaml)")
+    p.add_argument("--directory", "-d", default=".", help="the working directory (default: here)")
+    args = p.parse_args(argv)
+    config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
+    print(format_plan(make_plan(config, args.directory)))
+
+
+if __name__ == "__main__":
+    main()

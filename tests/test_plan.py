@@ -1,0 +1,91 @@
+"""The plan printed before any job runs (eaglenest.plan): its figures come from the config and the
+dataset's size, so changing either changes them; the Kimi-K2.5 preset's files mode shows terabytes
+and the plan suggests stream mode. No server, no Snakemake: the dry-run's copy is in test_presets."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglenest.config import validate_config
+from eaglenest.plan import format_plan, main, make_plan, shard_bytes_per_token
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def preset(name: str) -> dict:
+    return validate_config(yaml.safe_load((ROOT / "configs" / name).read_text()))
+
+
+def changed(config: dict, section: str, key: str, value) -> dict:
+    config = copy.deepcopy(config)
+    config[section][key] = value
+    return config
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
+    config = validate_config(yaml.safe_load(path.read_text()))
+    base = make_plan(config, tmp_path, has_gpu=True)
+    h = config["plan"]["hidden_size"]
+    assert base.prompts == config["dataset"]["limit"]
+    assert base.generated_tokens == base.prompts * config["generation"]["max_tokens"]
+    assert base.files_bytes == base.state_tokens * (8 * h + 13) == base.prompts * base.sequence_tokens * (8 * h + 13)
+
+    half = make_plan(changed(config, "dataset", "limit", config["dataset"]["limit"] // 2), tmp_path, has_gpu=True)
+    assert half.prompts == base.prompts // 2 and half.files_bytes < base.files_bytes
+    assert format_plan(half) != format_plan(base)
+
+    short = make_plan(changed(config, "generation", "max_tokens", 100), tmp_path, has_gpu=True)
+    assert short.generated_tokens == base.prompts * 100
+    # a sequence is then at most the prompt (dataset.max_prompt_chars) plus 100 tokens, within hidden.max_length
+    assert short.sequence_tokens == min(base.sequence_tokens, config["dataset"]["max_prompt_chars"] + 100)
+    assert f"{short.generated_tokens:,} generated" in format_plan(short)
+
+
+def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_path):
+    plan = make_plan(preset("kimi-k2.5-int4.yaml"), tmp_path, has_gpu=True)
+    assert shard_bytes_per_token(7168) == 57357  # the README's figure for Kimi-K2.5
+    assert plan.files_bytes > 5e12 and plan.suggest_stream
+    text = format_plan(plan)
+    assert " TB of shards" in text and "suggest hidden.mode: stream" in text
+    streamed = make_plan(changed(preset("kimi-k2.5-int4.yaml"), "hidden", "mode", "stream"), tmp_path, has_gpu=True)
+    assert not streamed.suggest_stream
+    assert "suggest" not in format_plan(make_plan(validate_config({"dataset": {"limit": 600}}), tmp_path, has_gpu=False))
+
+
+def test_replicas_and_the_gpus_each_stage_holds(tmp_path):
+    slurm = preset("kimi-k2.5-int4.slurm.yaml")
+    slurm["server"]["replicas"] = 4
+    gpus = make_plan(slurm, tmp_path, has_gpu=False).gpus
+    assert gpus["generate_traces"] == "4 SLURM job(s) x 8 GPUs = 32 GPUs"
+    assert gpus["extract_hidden"] == gpus["generate_traces"]
+    assert gpus["train_draft"] == "1 GPUs" and gpus["validate_draft"].startswith("8 GPUs")
+    llama = preset("llama-3.1-8b-instruct.yaml")
+    llama["server"]["replicas"] = 8
+    assert make_plan(llama, tmp_path, has_gpu=True).gpus["generate_traces"] == "8 local server(s) x 1 GPUs = 8 GPUs"
+
+
+def test_a_local_dataset_is_counted_and_prepared_prompts_are_read(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(30)))
+    config = validate_config({"dataset": {"path": str(data), "heldout": 5, "limit": None}, "plan": {"hidden_size": 64}})
+    assert make_plan(config, tmp_path).prompts == 25
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    (tmp_path / "data/prompts/stats.json").write_text(json.dumps({"train": 21}))
+    assert make_plan(config, tmp_path).prompts == 21
+
+
+def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys):
+    config = validate_config({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}})
+    assert "projected once a trace shard has finished" in format_plan(make_plan(config, tmp_path))
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({"records": 300, "completed": 300, "wall_s": 60.0}))
+    plan = make_plan(config, tmp_path)
+    assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
+    assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}}))
+    main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
+    assert "the rest about 1.0 min" in capsys.readouterr().out
