@@ -435,8 +435,9 @@ def eagle3(draft_dir: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- the vLLM-backend run, once a session
-# Shared by tests/test_backends_acceptance.py and tests/test_stream.py: both compare another way of
-# getting the hidden states (the transformers backend; stream mode) with this run, on its traces.
+# Shared by tests/test_backends_acceptance.py, tests/test_extract_vllm.py, tests/test_stream.py and
+# tests/test_train_rule.py: they compare another way of getting the hidden states (the transformers
+# backend; stream mode) with this run on its traces, check its extraction, or train from its files.
 
 VLLM_BACKEND_RUN = dict(dataset={"limit": 300, "heldout": 24}, shards=1, generation={"concurrency": 64}, train=TRAIN,
                         hidden={"backend": "vllm", "dtype": "float32"})
@@ -454,10 +455,17 @@ def vllm_backend_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_backend_acceptance(vllm_backend_run):
-    """measure_draft of the vLLM-backend run's draft: one vLLM start for both tests."""
-    wd, cfg = vllm_backend_run
-    return measure_draft("vllm_backend", wd, cfg, eagle3(wd / "draft/checkpoint"))
+def transformers_backend_run(vllm_backend_run, tmp_path_factory):
+    """The same run with `hidden.backend: transformers` on the vLLM-backend run's prompts and traces
+    (copied: only the hidden states differ), up to draft/checkpoint; starts no server: (wd, cfg)."""
+    wd_v, cfg_v = vllm_backend_run
+    wd = tmp_path_factory.mktemp("transformers_backend")
+    cfg = write_config(wd, **{**VLLM_BACKEND_RUN, "server": {"port": cfg_v["server"]["port"]},
+                              "hidden": {"backend": "transformers", "dtype": "float32"}})
+    copy_traces(wd_v, wd)
+    out = run_snakemake(wd, "draft/checkpoint", timeout=1200)
+    assert "generate_traces" not in out.stdout + out.stderr, "the copied traces were used as they are"
+    return wd, cfg
 
 
 def copy_traces(src: Path, dst: Path) -> None:

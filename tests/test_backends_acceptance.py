@@ -1,34 +1,27 @@
 """Drafts trained from either hidden-state backend are accepted alike by real vLLM.
 
 The session's vLLM-backend run (conftest.vllm_backend_run: `hidden.backend: vllm` up to
-draft/checkpoint) gives one draft; a working directory here takes its prompts and traces (copied) and
-runs with `hidden.backend: transformers`. Both drafts are trained with the same seed and settings, then
-served one after the other with the toy target (vLLM on CPU, float32) on the held-out prompts; their
-mean acceptance lengths, read from vLLM's counters, must agree within 0.05. One vLLM start of its own
-(the transformers draft's measurement) beyond the shared run's three (traces, extraction, its draft's
-measurement, shared with tests/test_stream.py)."""
+draft/checkpoint) gives one draft; the session's transformers-backend run (conftest.transformers_backend_run)
+takes its prompts and traces and gives the other. Both drafts are trained with the same seed and
+settings, then served one after the other with the toy target (vLLM on CPU, float32) on the held-out
+prompts; their mean acceptance lengths, read from vLLM's counters, must agree within 0.05. Two vLLM
+starts of its own (one measurement per draft) beyond the shared run's two (traces, extraction)."""
 import json
 import time
 
 import pytest
 
-from conftest import K, TRAIN, VLLM_BACKEND_RUN, copy_traces, eagle3, measure_draft, run_snakemake, write_config
+from conftest import K, TRAIN, eagle3, measure_draft
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def drafts(vllm_backend_run, vllm_backend_acceptance, tmp_path_factory):
-    wd_v, cfg = vllm_backend_run
+def drafts(vllm_backend_run, transformers_backend_run):
+    (wd_v, cfg), (wd_t, _) = vllm_backend_run, transformers_backend_run
     assert cfg["train"] == TRAIN
     t0 = time.monotonic()
-    wd_t = tmp_path_factory.mktemp("transformers")
-    write_config(wd_t, **{**VLLM_BACKEND_RUN, "server": {"port": cfg["server"]["port"]},
-                          "hidden": {"backend": "transformers", "dtype": "float32"}})
-    copy_traces(wd_v, wd_t)  # the same traces: only the hidden states differ
-    out = run_snakemake(wd_t, "draft/checkpoint", timeout=1200)
-    assert "generate_traces" not in out.stdout + out.stderr, "the copied traces were used as they are"
-    runs = {"vllm": vllm_backend_acceptance,
+    runs = {"vllm": measure_draft("vllm_backend", wd_v, cfg, eagle3(wd_v / "draft/checkpoint")),
             "transformers": measure_draft("transformers", wd_t, cfg, eagle3(wd_t / "draft/checkpoint"))}
     runs["seconds"] = round(time.monotonic() - t0, 1)
     (wd_t / "backends_acceptance.json").write_text(json.dumps(runs, indent=1))

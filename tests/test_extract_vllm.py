@@ -1,8 +1,9 @@
 """hidden.backend vllm against a real vLLM serving the toy target (CPU, float32).
 
-The workflow test runs the real DAG (trace server, traces, extraction server, shards) and compares
-the shards with the transformers backend's over the same traces. The fault tests share one
-extraction server started through the workflow's own lifecycle code (about a minute per start)."""
+The workflow tests read the session's vLLM-backend run (conftest.vllm_backend_run: the real DAG, trace
+server, traces, extraction server, shard) and compare its shard with the one the session's
+transformers-backend run (conftest.transformers_backend_run) made over the same traces. The fault tests
+share one extraction server started through the workflow's own lifecycle code (about a minute per start)."""
 import json
 import os
 import random
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port, run_snakemake, write_config
+from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port
 from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.lifecycle import wait_ready
 from eaglenest.serving.local import LocalPaths, read_pidfile, start_local, stop_local
@@ -27,6 +28,8 @@ from eaglenest.states.target import save_target_head
 pytestmark = pytest.mark.vllm
 AUX = [1, 2, 3]
 HIDDEN = 128
+# The fault tests' traces: enough that a fault lands mid-shard after the first 100 finished sequences.
+N_TRACES = 500
 
 
 def _tensors(path):
@@ -63,35 +66,19 @@ def _assert_same_shard(vllm_path, ref_path):
 # ---------------------------------------------------------------------------------------------- the workflow
 
 
-@pytest.fixture(scope="module")
-def workflow(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("wf")
-    write_config(wd, dataset={"limit": 48, "heldout": 0}, hidden={"backend": "vllm", "concurrency": 8,
-                                                                 "dtype": "float32", "max_length": 512})
-    t0 = time.monotonic()
-    run_snakemake(wd, "hidden_server.stopped")
-    return wd, time.monotonic() - t0
-
-
-def test_both_backends_give_the_same_tokens_and_states(workflow, tmp_path):
-    wd, _ = workflow
-    diffs = {}
-    for i in (0, 1):
-        ref = tmp_path / f"ref_{i}.safetensors"
-        stats = extract_hidden([wd / f"traces/shard_{i}.jsonl"], ref, str(TOY_TARGET), aux_layers=AUX, max_length=512,
-                               dtype="float32", progress=False)
-        diff = _assert_same_shard(wd / f"hidden/shard_{i}.safetensors", ref)
-        diffs = {k: max(v, diffs.get(k, 0.0)) for k, v in diff.items()}
-        log = (wd / f"logs/extract_hidden/shard_{i}.log").read_text()
-        summary = [l for l in log.splitlines() if "tok/s sent" in l][-1]
-        print(f"\nshard {i}: vLLM: {summary}\n         transformers: {stats['tokens_per_s']} tok/s")
+def test_both_backends_give_the_same_tokens_and_states(vllm_backend_run, transformers_backend_run):
+    (wd, _), (wd_t, _) = vllm_backend_run, transformers_backend_run
+    diffs = _assert_same_shard(wd / "hidden/shard_0.safetensors", wd_t / "hidden/shard_0.safetensors")
+    for name, run in (("vLLM", wd), ("transformers", wd_t)):
+        log = (run / "logs/extract_hidden/shard_0.log").read_text().strip().splitlines()
+        print(f"\n{name}: {log[-1] if log else '(empty log)'}")
     print("largest |vLLM - transformers| per layer (bf16 shards, float32 forwards):", json.dumps(diffs))
     (ROOT / ".pytest_cache").mkdir(exist_ok=True)
     (ROOT / ".pytest_cache" / "extract_vllm_diffs.json").write_text(json.dumps(diffs, indent=1))
 
 
-def test_extraction_server_stopped_and_per_request_files_gone(workflow):
-    wd, _ = workflow
+def test_extraction_server_stopped_and_per_request_files_gone(vllm_backend_run):
+    wd, _ = vllm_backend_run
     assert read_pidfile(LocalPaths(wd / "logs/hidden_server")) is None
     assert not (wd / "hidden_server.ready").exists()
     log = (wd / "logs/hidden_server/vllm.log").read_text()
@@ -120,7 +107,7 @@ def server(tmp_path_factory):
     start_local(cfg, paths)
     try:
         wait_ready(cfg, paths)
-        traces = _random_traces(wd / "traces.jsonl", 1500)
+        traces = _random_traces(wd / "traces.jsonl", N_TRACES)
         ref = wd / "ref.safetensors"
         extract_hidden([traces], ref, str(TOY_TARGET), aux_layers=AUX, max_length=512, dtype="float32", progress=False)
         yield {"wd": wd, "cfg": cfg, "paths": paths, "storage": storage, "traces": traces, "ref": ref,
@@ -173,10 +160,10 @@ def test_kill_9_mid_extraction_then_rerun_loses_and_repeats_nothing(server, tmp_
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = _finished(journal)
-    assert 100 <= len(before) < 1500 and not out.exists()
+    assert 100 <= len(before) < N_TRACES and not out.exists()
     stats = extract_hidden_vllm([server["traces"]], out, **_kwargs(server))
     assert stats["resumed"] == len(before)
-    assert stats["sent"] == 1500 - len(before), "no finished sequence is requested again"
+    assert stats["sent"] == N_TRACES - len(before), "no finished sequence is requested again"
     _assert_same_shard(out, server["ref"])  # every sequence exactly once, in place, nothing lost
     assert not list(tmp_path.glob("*.partial*"))
     assert not [p for p in server["storage"].iterdir() if "shard_0" in p.name], "per-request files removed"
@@ -206,5 +193,5 @@ def test_server_death_mid_shard_fails_clearly_keeps_finished_and_rerun_completes
     start_local(server["cfg"], server["paths"])  # the workflow would restart it on the rerun
     wait_ready(server["cfg"], server["paths"])
     stats = extract_hidden_vllm([server["traces"]], out, **_kwargs(server))
-    assert stats["resumed"] == len(before) and stats["sent"] == 1500 - len(before)
+    assert stats["resumed"] == len(before) and stats["sent"] == N_TRACES - len(before)
     _assert_same_shard(out, server["ref"])

@@ -45,9 +45,13 @@ def _kill_leftovers(procs):
                 pass
 
 
+# Enough questions that the kill lands mid-shard, after the first 20 answers, and few for the rerun to finish.
+KILL_PROMPTS = 100
+
+
 def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
     wd = tmp_path / "kill9"
-    cfg = write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4})
+    cfg = write_config(wd, dataset={"limit": KILL_PROMPTS, "heldout": 0}, shards=1, generation={"concurrency": 4})
     port = cfg["server"]["port"]
     proc = start_workflow(wd, "traces/shard_0.jsonl")
     below = {}
@@ -63,7 +67,7 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
         # The orphaned job may still be retrying against the dead server: it is ours, end it.
         _kill_leftovers(below)
         before = finished_before(partial)
-        assert 20 <= len(before) < 300
+        assert 20 <= len(before) < KILL_PROMPTS
         # A kill -9 leaves Snakemake's lock behind: the user unlocks, as Snakemake's message says.
         run_snakemake(wd, "--unlock")
         run_snakemake(wd, "traces/shard_0.jsonl", "--rerun-incomplete")

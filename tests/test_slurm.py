@@ -4,8 +4,9 @@ started by conftest's slurm_cluster; SLURM_CONF names it to every SLURM command)
 These tests skip, with the reason, where that cluster cannot run (not root, no slurm-wlm); they fail
 where it should start and does not.
 The server tests submit a fake vLLM (a module `vllm.entrypoints.openai.api_server` put first on the
-job's PYTHONPATH: it answers /v1/models like vLLM, after a second); one test serves the real toy
-target when toy/target exists. Everything submitted is cancelled at the end."""
+job's PYTHONPATH: it answers /v1/models like vLLM, after a second). Real vLLM as a SLURM job, the toy
+target served and found ready through the workflow's own server_ready, is tested in
+tests/test_slurm_workflow.py and tests/test_api_key.py. Everything submitted is cancelled at the end."""
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TEST_SERVER_ARGS, TOY_TARGET, free_port, scontrol_job, slurm_command
+from conftest import ROOT, free_port, scontrol_job, slurm_command
 from eaglenest.errors import ServerError
 from eaglenest.serving.backend import watchdog_command
 from eaglenest.serving.lifecycle import wait_ready
@@ -252,22 +253,3 @@ def test_profile_sends_rules_through_slurm(tmp_path, cluster):
     lines = (tmp_path / "b.txt").read_text().split()
     assert lines[0].startswith("job=") and lines[0] != "job=" and "cpus=2" in lines
     assert lines[-1].startswith("job=") and lines[-1] != lines[0]
-
-
-@pytest.mark.vllm
-def test_real_vllm_serves_the_toy_target_through_slurm(tmp_path, cluster, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a SLURM server requires a key: the run's own is made in the working directory
-    cfg = ServerConfig(mode="slurm", model=str(TOY_TARGET), served_model_name="toy", port=free_port(),
-                       max_model_len=512, reasoning_parser="deepseek_r1", poll_interval=2, ready_timeout=240,
-                       # vLLM's CPU backend reserves this share of the NUMA node's memory (default 0.92)
-                       extra_args=["--gpu-memory-utilization", "0.3", *TEST_SERVER_ARGS])
-    settings = SlurmSettings(cpus=1, mem="4G", gpus=0, time="15:00")
-    paths = SlurmPaths(tmp_path / "logs" / "server")
-    cluster.append(job_name(cfg, tmp_path))
-    record = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)
-    try:
-        ready = wait_ready(cfg, paths, log=print)
-        assert ready["model"] == "toy" and ready["max_model_len"] == 512 and ready["version"]
-    finally:
-        cancel_server(paths, log=print)
-    assert _wait_gone(record["job_id"]) is None or job_info(record["job_id"])["state"] == "CANCELLED"

@@ -2,8 +2,10 @@
 kill -9 after a saved state resumes on the rerun to the very checkpoint an uninterrupted run gives, and
 the rule's torchrun branch (train.nproc: 2, two CPU processes under gloo) follows the same curve.
 
-The hidden states come once from the real workflow (one vLLM start for the traces); each training run
-is then a copy of that directory (mtimes kept, so nothing upstream reruns)."""
+The traces, hidden states, target head and vocabulary are the session's vLLM-backend run's
+(conftest.vllm_backend_run, shared with other modules; this module starts no vLLM of its own); each
+training run is a copy of that directory (mtimes kept, so nothing upstream reruns) with this module's
+training settings."""
 import csv
 import os
 import shutil
@@ -15,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import descendants_running, run_snakemake, snakemake_cmd, write_config
+from conftest import descendants_running, run_snakemake, snakemake_cmd
 from eaglenest.draft.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.vllm  # the upstream fixture starts vLLM for the traces
+pytestmark = pytest.mark.vllm  # the session run it copies starts vLLM for the traces and states
 # 1 process x grad_accum 2 = 2 processes x 1: the same global batch, so the same run (test_ddp).
 TRAIN = {"max_steps": 12, "batch_tokens": 1024, "save_every": 4, "ttt_length": 2, "lr": 3e-3, "warmup_steps": 2,
          "grad_accum": 2}
@@ -26,22 +28,17 @@ CHECKPOINT = "draft/checkpoint.safetensors"
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    """Traces (real vLLM), hidden states, target head and vocabulary of a small toy run."""
-    wd = tmp_path_factory.mktemp("upstream")
-    write_config(wd, dataset={"limit": 48, "heldout": 4}, train=TRAIN)
-    run_snakemake(wd, "draft/vocab.safetensors", "hidden/shard_0.safetensors", "hidden/shard_1.safetensors")
-    return wd
+def copy_of(vllm_backend_run, tmp_path_factory):
+    """A copy of the vLLM-backend run's directory training with ``TRAIN`` updated by ``train`` (its own
+    training settings: its draft is stale there and trained again)."""
+    upstream, _ = vllm_backend_run
 
-
-@pytest.fixture(scope="module")
-def copy_of(upstream, tmp_path_factory):
     def make(name, **train):
         wd = tmp_path_factory.mktemp(name)
         shutil.rmtree(wd)
         shutil.copytree(upstream, wd, symlinks=True)
         cfg = yaml.safe_load((wd / "config.yaml").read_text())
-        cfg["train"].update(train)
+        cfg["train"] = {**TRAIN, **train}
         (wd / "config.yaml").write_text(yaml.safe_dump(cfg))
         return wd
     return make

@@ -1,6 +1,8 @@
 """End to end against a real vLLM serving the toy target: prompts -> server -> traces, with faults.
 
-Each test starts real vLLM servers (about a minute each on 2 cores)."""
+The traces whose content and staleness the first tests check come from the session's toy server
+(conftest.toy_server) in `server.mode: external`; the fault tests start their own local servers (about
+half a minute each on 2 cores), and the last rerun of one checks that the workflow stops its server."""
 import json
 import os
 import signal
@@ -10,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import (TOY_TARGET, assert_traces_complete, descendants_running, finished_before, prompt_ids,
-                      read_lines, run_snakemake, start_workflow, wait_partial, write_config)
+                      read_lines, run_snakemake, server_gone, start_workflow, wait_partial, write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
@@ -18,9 +20,10 @@ TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
+def traced(toy_server, tmp_path_factory):
+    server, _ = toy_server
     wd = tmp_path_factory.mktemp("wf")
-    cfg = write_config(wd)
+    cfg = write_config(wd, server={"mode": "external", "urls": [server.local_url], "port": server.port})
     t0 = time.monotonic()
     run_snakemake(wd, "server.stopped")
     return wd, cfg, time.monotonic() - t0
@@ -44,17 +47,6 @@ def test_traces_hold_reasoning_content_and_exact_tokens(traced):
         assert r["server"].endswith(str(cfg["server"]["port"]))
     stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
     assert stats["requests"] == len(read_lines(wd / TRACES[0])) and stats["errors"] == 0
-
-
-def test_server_is_stopped_and_sentinel_gone_after_the_run(traced):
-    wd, cfg, _ = traced
-    assert not (wd / "server.ready").exists()
-    assert read_pidfile(LocalPaths(wd / "logs/server")) is None
-    ready_log = (wd / "logs/server_ready.log").read_text()
-    assert "server ready" in ready_log
-    import socket
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", cfg["server"]["port"])) != 0
 
 
 def test_rerun_after_success_does_nothing(traced):
@@ -94,9 +86,13 @@ def test_changing_limit_reruns_prompts_and_traces(traced):
     assert _planned_jobs(out) == {"prepare_prompts", "server_ready", "generate_traces", "stop_server"}
 
 
+# The fault tests' shard: enough questions that a fault lands mid-shard after the first 20 answers.
+FAULT_PROMPTS = 100
+
+
 def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
     wd = tmp_path / "kill"
-    write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, server={"keep_server": True},
+    write_config(wd, dataset={"limit": FAULT_PROMPTS, "heldout": 0}, shards=1, server={"keep_server": True},
                  generation={"concurrency": 4})
     try:
         proc = start_workflow(wd, "traces/shard_0.jsonl")
@@ -108,7 +104,7 @@ def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
             os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
         before = finished_before(partial)
-        assert 20 <= len(before) < 300
+        assert 20 <= len(before) < FAULT_PROMPTS
         assert not (wd / "traces/shard_0.jsonl").exists()
         run_snakemake(wd, "traces/shard_0.jsonl")
         # keep_server: the rerun used the server that was still up instead of starting another.
@@ -121,9 +117,10 @@ def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
         stop_local(LocalPaths(wd / "logs/server"))
 
 
-def test_server_death_mid_shard_fails_clearly_and_rerun_completes(tmp_path):
+def test_server_death_mid_shard_fails_clearly_and_rerun_completes_then_stops_its_server(tmp_path):
     wd = tmp_path / "dies"
-    write_config(wd, dataset={"limit": 300, "heldout": 0}, shards=1, generation={"concurrency": 4, "max_retries": 2})
+    cfg = write_config(wd, dataset={"limit": FAULT_PROMPTS, "heldout": 0}, shards=1,
+                       generation={"concurrency": 4, "max_retries": 2})
     try:
         proc = start_workflow(wd, "traces/shard_0.jsonl")
         partial = wait_partial(wd, 20, proc)
@@ -136,6 +133,11 @@ def test_server_death_mid_shard_fails_clearly_and_rerun_completes(tmp_path):
         assert len(before) >= 20
         run_snakemake(wd, "traces/shard_0.jsonl")
         assert_traces_complete(wd, before)
+        # The rerun's server (a local one, not kept) is stopped once the workflow is done.
+        assert not (wd / "server.ready").exists()
+        assert read_pidfile(LocalPaths(wd / "logs/server")) is None
+        assert "server ready" in (wd / "logs/server_ready.log").read_text()
+        server_gone(cfg["server"]["port"])
     finally:
         stop_local(LocalPaths(wd / "logs/server"))
 
