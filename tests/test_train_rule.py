@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import descendants_running, run_snakemake, snakemake_cmd
+from conftest import descendants_running, rules_run, run_snakemake, snakemake_cmd
 from eaglenest.draft.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.vllm  # the session run it copies starts vLLM for the traces and states
@@ -45,8 +45,7 @@ def copy_of(vllm_backend_run, tmp_path_factory):
 
 
 def _planned(wd):
-    out = run_snakemake(wd, CHECKPOINT, "-n")
-    return out.stdout + out.stderr
+    return rules_run(run_snakemake(wd, CHECKPOINT, "-n"))
 
 
 def _curve(wd):
