@@ -18,16 +18,16 @@ from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
 
-# The shard's bytes per token, with H the target's hidden size: bf16 states of 3 aux layers + the
-# last (4 x 2 x H), the int64 token id, the int32 target_next and the bool mask (README, "Disk per token").
-SHARD_BYTES_PER_TOKEN = (8, 13)  # (per unit of H, fixed)
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
 
 
 def shard_bytes_per_token(hidden_size: int) -> int:
-    per_h, fixed = SHARD_BYTES_PER_TOKEN
-    return per_h * hidden_size + fixed
+    """The shard's bytes per token (states.hidden.bytes_per_token, README "Disk per token"); imported
+    here, not at the top: the plan is printed at every start, and the states modules import torch."""
+    from .states.hidden import bytes_per_token
+
+    return bytes_per_token(hidden_size)
 
 
 def stage_gpus(config: dict, section: str, has_gpu: bool) -> int:
