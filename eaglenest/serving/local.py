@@ -76,6 +76,8 @@ def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str,
     """The environment every vLLM server starts with, in every mode: this process's, without the
     job's thread-count variables (THREAD_ENV) and any `drop_prefixes`, then `server.env`."""
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV and not k.startswith(drop_prefixes)}
+    if vllm.single_process_worker(cfg):
+        env.update(vllm.SINGLE_PROCESS_ENV)
     env.update({k: str(v) for k, v in cfg.env.items()})
     env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:
