@@ -34,6 +34,22 @@ def test_command_carries_settings_but_no_secret(monkeypatch):
     assert "s3cret" not in " ".join(cmd)
 
 
+@pytest.mark.parametrize("tp, extra, single", [(1, [], True), (2, [], False),
+                                               (1, ["--distributed-executor-backend", "mp"], False),
+                                               (1, ["--pipeline-parallel-size=2"], False), (1, ["-dp", "2"], False)])
+def test_one_device_runs_its_worker_in_the_engine_process(tp, extra, single):
+    """vLLM's CPU platform makes the worker a process of its own unless both the executor flag and the
+    environment say otherwise (serving.vllm.single_process_worker); a user's own choice stays."""
+    cfg = ServerConfig(model="m", tensor_parallel_size=tp, extra_args=extra, env={"X": "1"})
+    cmd, env = vllm_command(cfg), launch_env(cfg, None)
+    assert (cmd.count("--distributed-executor-backend") == 1 and cmd[cmd.index("--distributed-executor-backend") + 1]
+            == "uni") is single
+    assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is single
+    # server.env has the last word
+    overridden = launch_env(ServerConfig(model="m", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}), None)
+    assert overridden["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_missing_api_key_variable_is_named(monkeypatch):
     monkeypatch.delenv("NOPE_KEY", raising=False)
     with pytest.raises(ServerError, match="NOPE_KEY"):
