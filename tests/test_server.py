@@ -36,11 +36,12 @@ def test_command_carries_settings_but_no_secret(monkeypatch):
 
 @pytest.mark.parametrize("tp, extra, single", [(1, [], True), (2, [], False),
                                                (1, ["--distributed-executor-backend", "mp"], False),
-                                               (1, ["--pipeline-parallel-size=2"], False), (1, ["-dp", "2"], False)])
+                                               (1, ["--pipeline-parallel-size=2"], False), (1, ["-dp", "2"], False),
+                                               (1, ["--tensor_parallel_size", "2"], False)])
 def test_one_device_runs_its_worker_in_the_engine_process(tp, extra, single):
     """vLLM's CPU platform makes the worker a process of its own unless both the executor flag and the
     environment say otherwise (serving.vllm.single_process_worker); a user's own choice stays."""
-    cfg = ServerConfig(model="m", tensor_parallel_size=tp, extra_args=extra, env={"X": "1"})
+    cfg = ServerConfig(model="m", tensor_parallel_size=tp, extra_args=extra)
     cmd, env = vllm_command(cfg), launch_env(cfg, None)
     assert (cmd.count("--distributed-executor-backend") == 1 and cmd[cmd.index("--distributed-executor-backend") + 1]
             == "uni") is single

@@ -174,9 +174,10 @@ def vllm_command(cfg) -> list[str]:
     return cmd + [str(a) for a in cfg.extra_args]
 
 
-# Flags after which vLLM needs a worker process per device (or one it starts itself).
-MULTI_WORKER_FLAGS = ("--distributed-executor-backend", "--pipeline-parallel-size", "-pp",
-                      "--data-parallel-size", "-dp")
+# Flags after which vLLM needs a worker process per device (or one it starts itself), or that choose
+# the executor; extra_args come after the command's own flags, so a tensor-parallel size there wins.
+MULTI_WORKER_FLAGS = frozenset({"--distributed-executor-backend", "--tensor-parallel-size", "-tp",
+                                "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"})
 
 
 def single_process_worker(cfg) -> bool:
@@ -186,8 +187,9 @@ def single_process_worker(cfg) -> bool:
     VLLM_ENABLE_V1_MULTIPROCESSING=0 (``platforms/cpu.py``, ``check_and_update_config``). That process
     is spawned and imports vLLM and torch again: on a 2-core CPU machine a start took 34-42 s with it
     and 21-24 s without, with the same throughput (``SINGLE_PROCESS_ENV`` goes with it)."""
-    flags = {str(a).split("=", 1)[0] for a in cfg.extra_args}
-    return cfg.tensor_parallel_size == 1 and not flags & set(MULTI_WORKER_FLAGS)
+    # vLLM's parser takes --a_b as --a-b
+    flags = {str(a).split("=", 1)[0].replace("_", "-") for a in cfg.extra_args}
+    return cfg.tensor_parallel_size == 1 and not flags & MULTI_WORKER_FLAGS
 
 
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
