@@ -41,6 +41,42 @@ BASE_CONFIG = {
 }
 
 
+# ----------------------------------------------------------------------------- two test processes (pytest-xdist)
+# `make test` runs the suite in two pytest processes (`-n 2 --dist loadgroup`): most of a vLLM test's
+# time is a start that keeps one core busy, so two at once use the machine's two cores. A session
+# fixture lives once per process, so the tests that share a costly one (a whole workflow run, the SLURM
+# cluster) must run in the same process, and so must a module's tests (its module fixtures). Each test
+# gets an xdist_group: its module's, merged with every other module that shares one of these fixtures.
+SHARED_SESSION_FIXTURES = ("default_run", "vllm_backend_run", "transformers_backend_run", "slurm_cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    parent = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for item in items:
+        module = f"module:{item.nodeid.split('::', 1)[0]}"
+        for name in SHARED_SESSION_FIXTURES:
+            if name in item.fixturenames:
+                parent[find(module)] = find(f"fixture:{name}")
+    groups = {item: find(f"module:{item.nodeid.split('::', 1)[0]}") for item in items}
+    starts_vllm = {groups[item] for item in items if item.get_closest_marker("vllm")}
+
+    def rank(item):  # the groups of shared runs first (the longest, the default run, first), then the
+        group = groups[item]  # other vLLM starters, then the rest, which fill the gaps at the end
+        if group.startswith("fixture:"):
+            return 0, SHARED_SESSION_FIXTURES.index(group.split(":", 1)[1])
+        return (1 if group in starts_vllm else 2), 0
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item].split(":", 1)[1]))
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the kernel's pick for a bind to port 0)."""
     with socket.socket() as s:
