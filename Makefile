@@ -69,7 +69,7 @@ plan: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -ra --durations=30 --timeout=1800 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(PY) -m pytest -ra --durations=30 --timeout=1800 -n $(TEST_WORKERS) tests
 
 # For developers, in minutes: lint and the tests that start no vLLM and no SLURM cluster. CI runs `make test`.
 test-quick: $(STAMP)

@@ -42,39 +42,55 @@ BASE_CONFIG = {
 
 
 # ----------------------------------------------------------------------------- two test processes (pytest-xdist)
-# `make test` runs the suite in two pytest processes (`-n 2 --dist loadgroup`): most of a vLLM test's
-# time is a start that keeps one core busy, so two at once use the machine's two cores. A session
-# fixture lives once per process, so the tests that share a costly one (a whole workflow run, the SLURM
-# cluster) must run in the same process, and so must a module's tests (its module fixtures). Each test
-# gets an xdist_group: its module's, merged with every other module that shares one of these fixtures.
-SHARED_SESSION_FIXTURES = ("default_run", "vllm_backend_run", "transformers_backend_run", "slurm_cluster")
+# `make test` runs the suite in two pytest processes (`-n 2`): most of a vLLM test's time is a start that
+# keeps one core busy, so two tests at once use the machine's two cores. A session fixture lives once per
+# process, so the tests that share a costly one (a whole workflow run, the SLURM cluster) run in one
+# process, and so do a module's tests (its module fixtures): the scheduler below sends each group below,
+# and every other module, to one process as a unit. (Not xdist's loadgroup: under pytest 9.2 its
+# xdist_group marks no longer reach the scheduler.)
+SHARED_RUNS = {  # group (the shared session fixture) -> the test modules that use it
+    "default_run": ("test_default_workflow.py", "test_formats.py"),
+    "vllm_backend_run": ("test_backends_acceptance.py", "test_extract_vllm.py", "test_stream.py", "test_train_rule.py"),
+    "slurm_cluster": ("test_api_key.py", "test_slurm.py", "test_slurm_cluster.py", "test_slurm_replicas.py",
+                      "test_slurm_workflow.py"),
+}
+SHARED_FIXTURES = {"default_run": "default_run", "vllm_backend_run": "vllm_backend_run",
+                   "transformers_backend_run": "vllm_backend_run", "slurm_cluster": "slurm_cluster"}
+_GROUP_OF = {module: group for group, modules in SHARED_RUNS.items() for module in modules}
+
+
+def schedule_unit(nodeid: str) -> str:
+    """The unit a test is scheduled in: its shared run's group, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return _GROUP_OF.get(Path(module).name, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return schedule_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the collection order below: the longest units first
+    return SharedRunScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    parent = {}
-
-    def find(key):
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
     for item in items:
-        module = f"module:{item.nodeid.split('::', 1)[0]}"
-        for name in SHARED_SESSION_FIXTURES:
-            if name in item.fixturenames:
-                parent[find(module)] = find(f"fixture:{name}")
-    groups = {item: find(f"module:{item.nodeid.split('::', 1)[0]}") for item in items}
-    starts_vllm = {groups[item] for item in items if item.get_closest_marker("vllm")}
+        for fixture, group in SHARED_FIXTURES.items():
+            if fixture in item.fixturenames and schedule_unit(item.nodeid) != group:
+                raise pytest.UsageError(f"{item.nodeid} uses the session fixture {fixture}: add its module to "
+                                        f"SHARED_RUNS[{group!r}] in tests/conftest.py, so it runs in that run's process")
+    starts_vllm = {schedule_unit(item.nodeid) for item in items if item.get_closest_marker("vllm")}
+    order = list(SHARED_RUNS)
 
-    def rank(item):  # the groups of shared runs first (the longest, the default run, first), then the
-        group = groups[item]  # other vLLM starters, then the rest, which fill the gaps at the end
-        if group.startswith("fixture:"):
-            return 0, SHARED_SESSION_FIXTURES.index(group.split(":", 1)[1])
-        return (1 if group in starts_vllm else 2), 0
+    def rank(item):  # the shared runs first (the longest, the default run, first), then the other vLLM
+        group = schedule_unit(item.nodeid)  # starters, then the rest, which fill the gaps at the end
+        return (0, order.index(group)) if group in SHARED_RUNS else ((1 if group in starts_vllm else 2), 0)
 
     items.sort(key=rank)  # stable: a module's tests keep their order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item].split(":", 1)[1]))
 
 
 def free_port() -> int:
