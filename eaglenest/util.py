@@ -33,6 +33,16 @@ def file_in(attribute: str, name: str) -> property:
 
 
 @contextlib.contextmanager
+def usable_threads(wanted: int) -> int:
+    """``wanted`` threads, but no more than the CPUs this process may run on (taskset, a SLURM job's
+    cpuset): more compute threads than CPUs make OpenMP's threads wait on each other."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return max(1, min(wanted, cpus))
+
+
 def atomic_path(path: str | Path, fsync: bool = True):
     """Yield a temporary path beside `path`; when the block ends without error, the file written
     there replaces `path` (readable by all, 0644). On error the temporary file is removed."""

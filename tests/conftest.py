@@ -65,6 +65,17 @@ def schedule_unit(nodeid: str) -> str:
     return _GROUP_OF.get(Path(module).name, module)
 
 
+def pytest_configure(config):
+    """In a test process of `-n N`: its own share of the CPUs (every Nth of those this session may use),
+    inherited by every server, workflow and training it starts. Without it each process's vLLM and
+    torch spread their threads over all the cores, and two processes' threads wait on each other
+    (the default workflow took over twice its time beside another)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker and 1 < count <= len(cpus):
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count::count])
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
