@@ -28,11 +28,6 @@ def file_in(attribute: str, name: str) -> property:
     return property(lambda self: Path(getattr(self, attribute)) / name, doc=f"{attribute}/{name}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Atomic writes: a reader never sees half a file, even after a crash.
-
-
-@contextlib.contextmanager
 def usable_threads(wanted: int) -> int:
     """``wanted`` threads, but no more than the CPUs this process may run on (taskset, a SLURM job's
     cpuset): more compute threads than CPUs make OpenMP's threads wait on each other."""
@@ -43,6 +38,11 @@ def usable_threads(wanted: int) -> int:
     return max(1, min(wanted, cpus))
 
 
+# ---------------------------------------------------------------------------------------------
+# Atomic writes: a reader never sees half a file, even after a crash.
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | Path, fsync: bool = True):
     """Yield a temporary path beside `path`; when the block ends without error, the file written
     there replaces `path` (readable by all, 0644). On error the temporary file is removed."""
