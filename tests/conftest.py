@@ -65,15 +65,17 @@ def schedule_unit(nodeid: str) -> str:
     return _GROUP_OF.get(Path(module).name, module)
 
 
+SESSION_CPUS = sorted(os.sched_getaffinity(0))  # before pytest_configure takes this process's share
+
+
 def pytest_configure(config):
     """In a test process of `-n N`: its own share of the CPUs (every Nth of those this session may use),
     inherited by every server, workflow and training it starts. Without it each process's vLLM and
     torch spread their threads over all the cores, and two processes' threads wait on each other
     (the default workflow took over twice its time beside another)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cpus = sorted(os.sched_getaffinity(0))
-    if worker and 1 < count <= len(cpus):
-        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count::count])
+    if worker and 1 < count <= len(SESSION_CPUS):
+        os.sched_setaffinity(0, SESSION_CPUS[int(worker.removeprefix("gw")) % count::count])
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -380,9 +382,11 @@ SLURM_SCRIPT = ROOT / "ci" / "slurm.sh"
 
 
 def slurm_script(command: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`ci/slurm.sh COMMAND` (up, down or env); its progress and errors are on stderr."""
+    """`ci/slurm.sh COMMAND` (up, down or env); its progress and errors are on stderr. The cluster is the
+    machine's, not this test process's: it runs on every CPU the session had (`slurmd -C` sizes the node
+    by the CPUs it may use), whatever share of them this process has."""
     return subprocess.run(["bash", str(SLURM_SCRIPT), command], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env=env, preexec_fn=lambda: os.sched_setaffinity(0, SESSION_CPUS))
 
 
 def script_values(out: subprocess.CompletedProcess) -> dict:
