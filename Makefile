@@ -64,9 +64,12 @@ plan: $(STAMP)
 
 # Lint first (seconds), then the tests. The SLURM tests start their own one-node cluster (ci/slurm.sh:
 # private config, ports and munge; no system SLURM touched); it needs root, as CI has, else they skip.
+# TEST_WORKERS pytest processes run the tests (pytest-xdist); tests/conftest.py keeps the tests that share
+# a workflow run, the SLURM cluster or a module's fixtures in one process. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -ra --durations=30 --timeout=1800 tests
+	$(PY) -m pytest -ra --durations=30 --timeout=1800 -n $(TEST_WORKERS) tests
 
 # For developers, in minutes: lint and the tests that start no vLLM and no SLURM cluster. CI runs `make test`.
 test-quick: $(STAMP)

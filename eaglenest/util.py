@@ -28,6 +28,16 @@ def file_in(attribute: str, name: str) -> property:
     return property(lambda self: Path(getattr(self, attribute)) / name, doc=f"{attribute}/{name}")
 
 
+def usable_threads(wanted: int) -> int:
+    """``wanted`` threads, but no more than the CPUs this process may run on (taskset, a SLURM job's
+    cpuset): more compute threads than CPUs make OpenMP's threads wait on each other."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return max(1, min(wanted, cpus))
+
+
 # ---------------------------------------------------------------------------------------------
 # Atomic writes: a reader never sees half a file, even after a crash.
 

@@ -15,7 +15,7 @@ from eaglenest.draft.train import train_draft
 from eaglenest.gpus import hold_gpus
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.util import say
+from eaglenest.util import say, usable_threads
 
 # Its own GPUs for this job and the torchrun processes it starts (a SLURM job keeps the scheduler's).
 hold_gpus(snakemake.resources.get("gpu", 0), log=say)
@@ -41,6 +41,6 @@ if nproc > 1:
            "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
     say("launching: " + " ".join(cmd))
     sys.exit(subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode)
-torch.set_num_threads(max(1, snakemake.threads))
+torch.set_num_threads(usable_threads(snakemake.threads))
 train_draft(args["hidden"], args["vocab"], args["out"], args["metrics"], head_path=args["head"],
             state_dir=args["state_dir"], config=config, device=device, stream=stream)

@@ -7,9 +7,10 @@ to_log(snakemake.log[0])
 
 import torch
 
+from eaglenest.util import usable_threads
 from eaglenest.validation.validate import validate_draft
 
-torch.set_num_threads(max(1, snakemake.threads))
+torch.set_num_threads(usable_threads(snakemake.threads))
 drafts = {f: snakemake.input[f] for f in ("vllm", "speculators") if f in snakemake.input.keys()}
 validate_draft(drafts, snakemake.input.heldout, snakemake.input.metrics,
                snakemake.output.json, snakemake.output.html, server=snakemake.params.server,

@@ -41,6 +41,71 @@ BASE_CONFIG = {
 }
 
 
+# ----------------------------------------------------------------------------- two test processes (pytest-xdist)
+# `make test` runs the suite in two pytest processes (`-n 2`): most of a vLLM test's time is a start that
+# keeps one core busy, so two tests at once use the machine's two cores. A session fixture lives once per
+# process, so the tests that share a costly one (a whole workflow run, the SLURM cluster) run in one
+# process, and so do a module's tests (its module fixtures): the scheduler below sends each group below,
+# and every other module, to one process as a unit. (Not xdist's loadgroup: under pytest 9.2 its
+# xdist_group marks no longer reach the scheduler.)
+SHARED_RUNS = {  # group (the shared session fixture) -> the test modules that use it
+    "default_run": ("test_default_workflow.py", "test_formats.py"),
+    "vllm_backend_run": ("test_backends_acceptance.py", "test_extract_vllm.py", "test_stream.py", "test_train_rule.py"),
+    "slurm_cluster": ("test_api_key.py", "test_slurm.py", "test_slurm_cluster.py", "test_slurm_replicas.py",
+                      "test_slurm_workflow.py"),
+}
+SHARED_FIXTURES = {"default_run": "default_run", "vllm_backend_run": "vllm_backend_run",
+                   "transformers_backend_run": "vllm_backend_run", "slurm_cluster": "slurm_cluster"}
+_GROUP_OF = {module: group for group, modules in SHARED_RUNS.items() for module in modules}
+
+
+def schedule_unit(nodeid: str) -> str:
+    """The unit a test is scheduled in: its shared run's group, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return _GROUP_OF.get(Path(module).name, module)
+
+
+SESSION_CPUS = sorted(os.sched_getaffinity(0))  # before pytest_configure takes this process's share
+
+
+def pytest_configure(config):
+    """In a test process of `-n N`: its own share of the CPUs (every Nth of those this session may use),
+    inherited by every server, workflow and training it starts. Without it each process's vLLM and
+    torch spread their threads over all the cores, and two processes' threads wait on each other
+    (the default workflow took over twice its time beside another)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker and 1 < count <= len(SESSION_CPUS):
+        os.sched_setaffinity(0, SESSION_CPUS[int(worker.removeprefix("gw")) % count::count])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return schedule_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the collection order below: the longest units first
+    return SharedRunScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, group in SHARED_FIXTURES.items():
+            if fixture in item.fixturenames and schedule_unit(item.nodeid) != group:
+                raise pytest.UsageError(f"{item.nodeid} uses the session fixture {fixture}: add its module to "
+                                        f"SHARED_RUNS[{group!r}] in tests/conftest.py, so it runs in that run's process")
+    starts_vllm = {schedule_unit(item.nodeid) for item in items if item.get_closest_marker("vllm")}
+    order = list(SHARED_RUNS)
+
+    def rank(item):  # the shared runs first (the longest, the default run, first), then the other vLLM
+        group = schedule_unit(item.nodeid)  # starters, then the rest, which fill the gaps at the end
+        return (0, order.index(group)) if group in SHARED_RUNS else ((1 if group in starts_vllm else 2), 0)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the kernel's pick for a bind to port 0)."""
     with socket.socket() as s:
@@ -317,9 +382,11 @@ SLURM_SCRIPT = ROOT / "ci" / "slurm.sh"
 
 
 def slurm_script(command: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`ci/slurm.sh COMMAND` (up, down or env); its progress and errors are on stderr."""
+    """`ci/slurm.sh COMMAND` (up, down or env); its progress and errors are on stderr. The cluster is the
+    machine's, not this test process's: it runs on every CPU the session had (`slurmd -C` sizes the node
+    by the CPUs it may use), whatever share of them this process has."""
     return subprocess.run(["bash", str(SLURM_SCRIPT), command], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env=env, preexec_fn=lambda: os.sched_setaffinity(0, SESSION_CPUS))
 
 
 def script_values(out: subprocess.CompletedProcess) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.util import usable_threads
 from toy import build as toy  # the toy builder lives beside the toy it builds (toy/build.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def greedy(tok):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(usable_threads(2))
     model = AutoModelForCausalLM.from_pretrained(TARGET).eval()
     rows = toy.read_prompts(PROMPTS)[:40]
     return rows, toy.greedy_completions(model, tok, [r["conversations"][0]["value"] for r in rows])

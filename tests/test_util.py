@@ -69,3 +69,15 @@ def test_a_user_error_reaches_the_rule_log_as_one_message_a_bug_as_a_traceback(t
         assert text == "error: server.model is wrong: fix it\n"
     else:
         assert "Traceback" in text and "KeyError: 'a bug'" in text
+
+
+def test_usable_threads_never_exceed_the_cpus_the_process_may_run_on():
+    import subprocess
+    import sys
+
+    from eaglenest.util import usable_threads
+
+    assert usable_threads(10_000) == len(os.sched_getaffinity(0)) and usable_threads(0) == 1
+    one_cpu = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+               "from eaglenest.util import usable_threads; print(usable_threads(8))")
+    assert subprocess.run([sys.executable, "-c", one_cpu], capture_output=True, text=True, check=True).stdout.strip() == "1"

@@ -6,27 +6,42 @@ target alone, not the same tokens; what can be compared is a statistic of the sa
 output's mean per-token log-probability under the target (``sequence_scores``, the transformers
 target, independent of the engine under test), one number per request.
 
-``score_check`` compares the per-request scores of a speculative run with the target alone's at the
-same temperature, top_p and seed, as two independent samples (Welch): the difference of the means
-over its standard error is z. The cell fails when |z| exceeds ``z_max`` (default 4: a lossless engine
-is flagged with probability about 6e-5 per cell under the normal approximation, so a report of a
-few dozen cells stays quiet) AND the difference exceeds ``tolerance`` nats per token (numerical noise:
-batching and kernels change the last bits of the logits, which at T=0 can flip a near-tie between
-two tokens; a real fault moves the mean by far more). The z threshold covers sampling noise, the
-tolerance covers arithmetic.
+``score_check`` tests one speculative run at one temperature against the target alone at the same
+temperature, top_p and seed, over every evaluation set at once: losslessness is a property of the
+engine and its sampling settings, not of the prompts, and a matrix cell holds few requests (six in the
+embedded default), too few for any test of its own to separate a fault from chance at a bound that
+stays quiet over a whole report (two samples of six cannot give a two-sided p below 2/924 by any
+rank or permutation test). The statistic is the difference between the run's mean score and the target
+alone's, over all the sets' requests; its null distribution comes from permuting the run / target-alone
+labels *within each set* (a stratified permutation test: both runs sent the same prompts, so under a
+lossless engine the labels are exchangeable within a set whatever the sets' scores are). The p-value
+is the share of ``permutations`` random relabellings (seeded, plus the observed one) at least as
+extreme, two-sided. It assumes nothing about the scores' distribution, which is far from normal
+(near 0 for most of a confident target's outputs, a long tail below). Pairing by prompt is ignored,
+which makes the test conservative when a prompt's two outputs are alike.
+
+The run fails when p < ``alpha`` (default 0.001: a lossless engine is flagged with probability at most
+0.001 per run and temperature, so a report of a few dozen such tests stays quiet) AND the difference
+exceeds ``tolerance`` nats per token (numerical noise: batching and kernels change the last bits of
+the logits, which at T=0 can flip a near-tie between two tokens; a real fault moves the mean by far
+more). The p bound covers sampling noise, the tolerance covers arithmetic.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..config import defaults
 
-# The bounds' defaults: validate.lossless_z and validate.lossless_tolerance in the schema.
-Z_MAX = defaults("validate")["lossless_z"]
+# The bounds' defaults: validate.lossless_alpha and validate.lossless_tolerance in the schema.
+ALPHA = defaults("validate")["lossless_alpha"]
 TOLERANCE = defaults("validate")["lossless_tolerance"]
+# Random relabellings per test: p-values down to 1/20,001 (5e-5), well below the default alpha.
+PERMUTATIONS = 20_000
+_CHUNK = 2_000  # relabellings drawn at once (memory: CHUNK x the set's requests)
 
 
 @torch.no_grad()
@@ -46,25 +61,46 @@ def sequence_scores(model, sequences) -> list[float | None]:
     return out
 
 
-def _mean_var(xs):
-    n = len(xs)
-    mean = sum(xs) / n
-    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return mean, var
+def _finite(xs) -> list[float]:
+    return [float(x) for x in xs if x is not None and math.isfinite(x)]
 
 
-def score_check(scores, reference, *, z_max: float = Z_MAX, tolerance: float = TOLERANCE) -> dict | None:
-    """Compare a run's per-request scores with the target alone's (``reference``); None where either
-    has no scored output. ``lossless`` is False when the difference is beyond both bounds (module
-    docstring)."""
-    a = [s for s in scores if s is not None and math.isfinite(s)]
-    b = [s for s in reference if s is not None and math.isfinite(s)]
-    if not a or not b:
+def permutation_p(strata, *, permutations: int = PERMUTATIONS, seed: int = 0) -> float:
+    """Two-sided p-value of mean(run) - mean(target alone) over ``strata`` [(run, target_alone), ...],
+    the labels permuted within each stratum (module docstring)."""
+    n_a = sum(len(a) for a, _ in strata)
+    n_b = sum(len(b) for _, b in strata)
+    total = sum(sum(a) + sum(b) for a, b in strata)
+    observed = sum(sum(a) for a, _ in strata) / n_a - sum(sum(b) for _, b in strata) / n_b
+    rng = np.random.default_rng(seed)
+    extreme = 0
+    for start in range(0, permutations, _CHUNK):
+        size = min(_CHUNK, permutations - start)
+        sum_a = np.zeros(size)
+        for a, b in strata:
+            values = np.asarray(a + b, dtype=np.float64)
+            picked = np.argsort(rng.random((size, len(values))), axis=1)[:, : len(a)]
+            sum_a += values[picked].sum(axis=1)
+        diffs = sum_a / n_a - (total - sum_a) / n_b
+        # A relabelling as extreme as the observed one, up to rounding (ties, such as identical T=0 outputs, count).
+        extreme += int(np.count_nonzero(np.abs(diffs) >= abs(observed) - 1e-12 * max(1.0, abs(observed))))
+    return (extreme + 1) / (permutations + 1)
+
+
+def score_check(strata, *, alpha: float = ALPHA, tolerance: float = TOLERANCE, permutations: int = PERMUTATIONS,
+                seed: int = 0) -> dict | None:
+    """Compare a run's per-request scores with the target alone's over ``strata``: one ``(scores,
+    reference)`` pair per evaluation set, the same prompts sent at the same temperature. None where no
+    set has scored outputs on both sides. ``lossless`` is False when the difference is beyond both bounds
+    (module docstring)."""
+    pairs = [(_finite(a), _finite(b)) for a, b in strata]
+    pairs = [(a, b) for a, b in pairs if a and b]
+    if not pairs:
         return None
-    (ma, va), (mb, vb) = _mean_var(a), _mean_var(b)
-    diff = ma - mb
-    se = math.sqrt(va / len(a) + vb / len(b))
-    z = diff / se if se > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
-    return {"score": ma, "reference_score": mb, "difference": diff, "se": se, "z": z,
-            "z_max": z_max, "tolerance": tolerance, "n": len(a), "reference_n": len(b),
-            "lossless": not (abs(z) > z_max and abs(diff) > tolerance)}
+    a = [x for s, _ in pairs for x in s]
+    b = [x for _, s in pairs for x in s]
+    diff = sum(a) / len(a) - sum(b) / len(b)
+    p = permutation_p(pairs, permutations=permutations, seed=seed)
+    return {"score": sum(a) / len(a), "reference_score": sum(b) / len(b), "difference": diff, "p": p,
+            "alpha": alpha, "tolerance": tolerance, "permutations": permutations, "n": len(a), "reference_n": len(b),
+            "sets": len(pairs), "lossless": not (p < alpha and abs(diff) > tolerance)}

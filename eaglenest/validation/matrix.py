@@ -21,7 +21,7 @@ CELL_KEYS = ("set", "temperature")
 # The CSV's columns, in order (per_position_1..k follow acceptance_rate).
 COLUMNS = ("method", "set", "temperature", "top_p", "seed", "max_tokens", "prompts", "output_tokens",
            "acceptance_length", "acceptance_rate", "drafts", "draft_tokens", "accepted",
-           "output_tokens_per_s", "ms_per_token", "speedup", "score", "score_difference", "score_z",
+           "output_tokens_per_s", "ms_per_token", "speedup", "score", "score_difference", "lossless_p",
            "lossless", "vllm_version")
 
 
@@ -40,10 +40,15 @@ def _cell_row(method: str, cell: dict, base: dict | None, version) -> dict:
         "output_tokens_per_s": one.get("output_tokens_per_s"), "ms_per_token": one.get("ms_per_token"),
         "speedup": one["output_tokens_per_s"] / base_tps if base_tps and one.get("output_tokens_per_s") else None,
         "score": cell.get("score"),
-        "score_difference": check["difference"] if check else None, "score_z": check["z"] if check else None,
+        "score_difference": _difference(check.get("cell_score"), check.get("cell_reference_score")) if check else None,
+        "lossless_p": check["p"] if check else None,
         "lossless": check["lossless"] if check else None,
         "lossless_check": check, "request_settings": sent, "vllm_version": version,
     }
+
+
+def _difference(score, reference) -> float | None:
+    return score - reference if score is not None and reference is not None else None
 
 
 def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, offline=None, warn_below=0.8) -> dict:
@@ -94,6 +99,14 @@ def headline_cell(matrix: dict, method: str = "eagle3") -> dict | None:
     return _cell(matrix, method, "heldout", 0.0)
 
 
+def _run_shown(method: str, cells: list[dict]) -> str:
+    """One run's failed check: its pooled scores and p, and each set's difference."""
+    check = cells[0]["lossless_check"]
+    by_set = ", ".join(f"{c['set']} {c['score_difference']:+.3f}" for c in cells if c.get("score_difference") is not None)
+    return (f"{method} (mean log-prob/token {check['score']:.3f} vs the target alone's {check['reference_score']:.3f} "
+            f"over {check['n']} outputs, permutation p {check['p']:.2g}; by set: {by_set})")
+
+
 def matrix_findings(matrix: dict, warn_below: float) -> list[dict]:
     """Findings over the matrix: cells where the engine is not lossless (one finding per temperature,
     naming the engine version and the runs), then cells where EAGLE-3 falls below n-gram or below
@@ -103,8 +116,10 @@ def matrix_findings(matrix: dict, warn_below: float) -> list[dict]:
         bad = [c for c in cells if c["temperature"] == t and c.get("lossless") is False]
         if bad:
             version = next((c["vllm_version"] for c in bad if c.get("vllm_version")), "?")
-            shown = "; ".join(f"{c['method']} on {c['set']} (mean log-prob/token {c['score']:.3f}, {c['score_difference']:+.3f} "
-                              f"vs the target alone, z {c['score_z']:.1f})" for c in bad)
+            runs = {}
+            for c in bad:
+                runs.setdefault(c["method"], []).append(c)
+            shown = "; ".join(_run_shown(method, run) for method, run in runs.items())
             out.append({"kind": "not_lossless", "temperature": t, "cells": [[c["method"], c["set"]] for c in bad],
                         "message": f"vLLM {version} is not lossless at temperature {t:g} under speculation: {shown}. "
                                    "Their outputs are not the target's distribution, so the acceptance measured there is "
@@ -168,7 +183,7 @@ def cells_table(matrix: dict) -> pd.DataFrame:
     if df.empty:
         return df
     df = df[["method", "set", "temperature", "acceptance_length", "speedup", "output_tokens", "output_tokens_per_s",
-             "score", "score_z", "lossless"]].copy()
+             "score", "score_difference", "lossless_p", "lossless"]].copy()
     df["acceptance_length"] = [("not lossless: " if ok is False else "") + (f"{v:.3f}" if pd.notna(v) else "–")
                                for v, ok in zip(df["acceptance_length"], df["lossless"])]
     df["lossless"] = df["lossless"].map({True: "yes", False: "NO"}).fillna("(reference)")

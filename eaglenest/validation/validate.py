@@ -292,28 +292,39 @@ def draft_vocabulary(draft_dir) -> dict:
     return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
-def score_cells(runs: dict, model, *, z_max: float, tolerance: float, log=print) -> None:
+def score_cells(runs: dict, model, *, alpha: float, tolerance: float, log=print) -> None:
     """Every cell's outputs scored under the target (``lossless.sequence_scores``), and each
-    speculative run's cell checked against the target alone's cell of the same set and temperature
-    (``lossless.score_check``); adds ``score`` and ``lossless`` to the cells, drops their answers."""
+    speculative run checked against the target alone at each temperature, over every set at once
+    (``lossless.score_check``); adds ``score`` and ``lossless_check`` to the cells (the run's check at
+    that temperature, with the cell's own scores beside it), drops their answers."""
     by_cell = {name: {(c["set"], c["temperature"]): c for c in r.get("cells", [])} for name, r in runs.items()}
     for name, cells in by_cell.items():
         for c in cells.values():
             c["scores"] = sequence_scores(model, [(a["prompt_token_ids"], a["completion_token_ids"]) for a in c["answers"]])
+            c["score"] = _mean(c["scores"])
+    reference = by_cell.get("baseline", {})
     for name, cells in by_cell.items():
-        for key, c in cells.items():
-            ref = by_cell["baseline"].get(key)
-            check = score_check(c["scores"], ref["scores"], z_max=z_max, tolerance=tolerance) if ref else None
-            c["score"] = check["score"] if check else None
-            c["lossless_check"] = None if name == "baseline" else check
-            if check and name != "baseline":
-                log(f"validate_draft: {name} {key[0]} T={key[1]:g}: mean log-prob/token {check['score']:.3f} vs target "
-                    f"alone {check['reference_score']:.3f} (z {check['z']:.1f}): "
-                    + ("lossless within the bound" if check["lossless"] else "NOT LOSSLESS"))
+        for t in dict.fromkeys(t for _, t in cells):
+            keys = [key for key in cells if key[1] == t and key in reference]
+            check = score_check([(cells[key]["scores"], reference[key]["scores"]) for key in keys],
+                                alpha=alpha, tolerance=tolerance) if name != "baseline" else None
+            for key in keys:
+                cells[key]["lossless_check"] = check and {
+                    **check, "cell_score": cells[key]["score"], "cell_reference_score": reference[key]["score"]}
+            if check:
+                log(f"validate_draft: {name} T={t:g}: mean log-prob/token {check['score']:.3f} vs target alone "
+                    f"{check['reference_score']:.3f} over {check['sets']} set(s), {check['n']} outputs "
+                    f"(permutation p {check['p']:.2g}): " + ("lossless within the bound" if check["lossless"] else "NOT LOSSLESS"))
     for cells in by_cell.values():
         for c in cells.values():
+            c.setdefault("lossless_check", None)
             c.pop("scores")
             c.pop("answers")
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
@@ -383,7 +394,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
                                  device=off["device"], model=model)
     log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
         f"({offline['drafts']} drafts, {offline['seconds']} s)")
-    score_cells(runs, model, z_max=s["lossless_z"], tolerance=s["lossless_tolerance"], log=log)
+    score_cells(runs, model, alpha=s["lossless_alpha"], tolerance=s["lossless_tolerance"], log=log)
     del model
 
     checks = cross_checks(target, prompts, runs, generation, offline)
