@@ -56,8 +56,7 @@ def _cell(s, t, al=None, tps=100.0, lossless=None, score=-0.1):
                   "drafts": 100, "draft_tokens": 300, "accepted": round((al - 1) * 100)})
     if lossless is not None:
         c["lossless_check"] = {"lossless": lossless, "difference": 0.0 if lossless else -2.9, "p": 1.0 if lossless else 5e-5,
-                               "score": score, "reference_score": -0.1, "n": 8, "reference_n": 8, "sets": 2,
-                               "cell_score": score, "cell_reference_score": -0.1}
+                               "score": score, "reference_score": -0.1, "n": 8, "reference_n": 8, "sets": 2}
     return c
 
 

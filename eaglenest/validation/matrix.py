@@ -40,7 +40,7 @@ def _cell_row(method: str, cell: dict, base: dict | None, version) -> dict:
         "output_tokens_per_s": one.get("output_tokens_per_s"), "ms_per_token": one.get("ms_per_token"),
         "speedup": one["output_tokens_per_s"] / base_tps if base_tps and one.get("output_tokens_per_s") else None,
         "score": cell.get("score"),
-        "score_difference": _difference(check.get("cell_score"), check.get("cell_reference_score")) if check else None,
+        "score_difference": _difference(cell.get("score"), (base or {}).get("score")) if check else None,
         "lossless_p": check["p"] if check else None,
         "lossless": check["lossless"] if check else None,
         "lossless_check": check, "request_settings": sent, "vllm_version": version,

@@ -295,8 +295,8 @@ def draft_vocabulary(draft_dir) -> dict:
 def score_cells(runs: dict, model, *, alpha: float, tolerance: float, log=print) -> None:
     """Every cell's outputs scored under the target (``lossless.sequence_scores``), and each
     speculative run checked against the target alone at each temperature, over every set at once
-    (``lossless.score_check``); adds ``score`` and ``lossless_check`` to the cells (the run's check at
-    that temperature, with the cell's own scores beside it), drops their answers."""
+    (``lossless.score_check``); adds ``score`` (the cell's own mean) and ``lossless_check`` (the run's
+    check at that temperature) to the cells, drops their answers."""
     by_cell = {name: {(c["set"], c["temperature"]): c for c in r.get("cells", [])} for name, r in runs.items()}
     for name, cells in by_cell.items():
         for c in cells.values():
@@ -309,8 +309,7 @@ def score_cells(runs: dict, model, *, alpha: float, tolerance: float, log=print)
             check = score_check([(cells[key]["scores"], reference[key]["scores"]) for key in keys],
                                 alpha=alpha, tolerance=tolerance) if name != "baseline" else None
             for key in keys:
-                cells[key]["lossless_check"] = check and {
-                    **check, "cell_score": cells[key]["score"], "cell_reference_score": reference[key]["score"]}
+                cells[key]["lossless_check"] = check
             if check:
                 log(f"validate_draft: {name} T={t:g}: mean log-prob/token {check['score']:.3f} vs target alone "
                     f"{check['reference_score']:.3f} over {check['sets']} set(s), {check['n']} outputs "
