@@ -84,7 +84,8 @@ class Backend:
                         raise ServerError(f"{url} serves {info['models']}, not '{model}': set "
                                           f"server.served_model_name (or server.model) to the name the server reports")
                     infos[url] = info
-                pending = [u for u in urls if u not in infos]
+                # no URL yet: the server's launcher has not written its port record
+                pending = [u for u in urls if u not in infos] or (["the server's port record"] if not urls else [])
                 if not pending:
                     break
                 now = time.monotonic()

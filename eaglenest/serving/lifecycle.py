@@ -52,7 +52,8 @@ def replica_dir(log_dir: str | Path, i: int) -> Path:
 
 
 def replica_configs(cfg: ServerConfig) -> list[ServerConfig]:
-    """One config per replica (``server.replicas``): replica i listens on ``port + i``; in local mode
+    """One config per replica (``server.replicas``): each takes a free port where it runs, or, where
+    ``server.port`` is set, replica i listens on ``port + i`` (each checked free there); in local mode
     on a GPU machine it gets its own group of ``tensor_parallel_size`` GPUs (CUDA_VISIBLE_DEVICES in its
     env) of those server.env, this process or nvidia-smi give."""
     if cfg.mode == "external" or cfg.replicas == 1:
@@ -62,7 +63,7 @@ def replica_configs(cfg: ServerConfig) -> list[ServerConfig]:
         visible = cfg.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
         groups = device_groups(cfg.replicas, cfg.tensor_parallel_size,
                                visible_devices(visible) if visible else physical_gpus())
-    return [dataclasses.replace(cfg, port=cfg.port + i,
+    return [dataclasses.replace(cfg, port=cfg.port + i if cfg.port else None,
                                 env={**cfg.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, g))} if g else cfg.env)
             for i, g in enumerate(groups)]
 

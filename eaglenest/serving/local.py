@@ -1,6 +1,8 @@
 """`server.mode: local`: vLLM started by the workflow on this machine, in its own process group,
-with a pidfile and a log under logs/server/, refused while the GPUs it would use are busy or its port
-is taken. Every mode launches vLLM with `launch_env` and `vllm_command`.
+with a pidfile, a port record and a log under logs/server/, refused while the GPUs it would use are
+busy or the port the user set is taken. Every mode launches vLLM with `launch_env` and
+`server_command` (the port launcher, serving.port, around `vllm_command`): the port is chosen where
+the server runs and read back from its record.
 
 A watchdog (eaglenest.serving.backend, `Backend.watch`) stops the server when the workflow process
 that asked for it dies (kill -9, a crash of Snakemake itself), so a server never outlives its workflow
@@ -15,6 +17,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from ..errors import ServerError
 from ..gpus import lock_devices, nvidia_smi, physical_gpus, visible_devices
 from ..util import file_in, say, write_atomic
 from . import vllm
+from .port import PORT_FILE, launcher_command, port_taken, read_port_record, taken_message
 from .backend import Backend, alive, log_tail, signal_group, watchdog_command
 from .probe import is_serving
 from .settings import ServerConfig, check_model_path
@@ -101,13 +105,31 @@ def vllm_command(cfg: ServerConfig) -> list[str]:
     return vllm.vllm_command(cfg) + (["--middleware", KEY_GUARD] if has_key else [])
 
 
+def server_command(cfg: ServerConfig, port_record: str | Path) -> list[str]:
+    """`vllm_command` under the port launcher (serving.port): it runs where the server runs, takes
+    `server.port` or a free port there, and writes which to `port_record`."""
+    return launcher_command(sys.executable, cfg.host, cfg.port, Path(port_record).resolve(), vllm_command(cfg))
+
+
 @dataclass
 class LocalPaths:
-    """Where a local server keeps its pidfile and log (under the workflow's logs/)."""
+    """Where a local server keeps its pidfile, port record and log (under the workflow's logs/)."""
 
     log_dir: Path
     pidfile = file_in("log_dir", "vllm.pid.json")
     log = file_in("log_dir", "vllm.log")
+    port_record = file_in("log_dir", PORT_FILE)
+
+
+def served_url(cfg: ServerConfig, paths: LocalPaths, pid: int) -> str | None:
+    """The URL of the server launched as `pid`, from its port record; None until the launcher wrote it.
+    Raises ServerError with the launcher's own error (a port the user set that is taken)."""
+    record = read_port_record(paths.port_record)
+    if not record or record.get("pid") != pid:
+        return None
+    if record.get("error"):
+        raise ServerError(f"{record['error']} (vLLM's log: {paths.log})")
+    return cfg.url_at(record["port"])
 
 
 def read_pidfile(paths: LocalPaths) -> dict | None:
@@ -117,44 +139,40 @@ def read_pidfile(paths: LocalPaths) -> dict | None:
         return None
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        return s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
-
-
 def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None = None,
                 sentinel: str | Path | None = None, log=say) -> dict:
     """Start vLLM in its own process group, or reuse a healthy server this workflow started before.
 
     `sentinel` (server.ready) is removed whenever the server is stopped, so it never describes a
-    server we know is gone. Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the port
-    is held by a process that is not ours."""
+    server we know is gone. Returns the pidfile record. Refuses (ServerError) when the GPUs it will use are busy or the
+    port the user set (`server.port`) is held by a process that is not ours."""
     check_model_path(cfg.model)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key(create=True)
     record = read_pidfile(paths)
     if record and alive(record["pid"]):
-        if record.get("port") == cfg.port and is_serving(cfg.local_url, cfg.model_id, api_key):
-            log(f"reusing the server this workflow started before (pid {record['pid']}, {cfg.local_url})")
+        same = record.get("port") == cfg.port and record.get("command") == vllm_command(cfg)
+        url = same and _quiet_url(cfg, paths, record["pid"])
+        if url and is_serving(url, cfg.model_id, api_key):
+            log(f"reusing the server this workflow started before (pid {record['pid']}, {url})")
             return record
-        if record.get("port") == cfg.port and record.get("command") == vllm_command(cfg):
+        if same:
             log(f"a server this workflow started (pid {record['pid']}) is still loading; waiting for it")
             return record
         log(f"stopping the server this workflow started earlier (pid {record['pid']}): "
             f"its settings differ from the config")
         stop_local(paths, log=log)
-    if _port_in_use(cfg.host, cfg.port):
-        raise ServerError(f"port {cfg.port} on {cfg.host} is already in use by a process this workflow "
-                          f"did not start: stop it, set server.port to a free port, or use "
-                          f"server.mode: external with server.urls: [http://{cfg.host}:{cfg.port}]")
+    if cfg.port and port_taken(cfg.host, cfg.port):
+        raise ServerError(f"{taken_message(cfg.port, socket.gethostname())}; or use server.mode: external "
+                          f"with server.urls: [{cfg.url_at(cfg.port)}] if that is a server to use")
     busy = busy_gpus(_server_devices(cfg))
     if busy:
         raise ServerError("refusing to start vLLM: the GPUs it would use are not free:\n  "
                           + "\n  ".join(busy)
                           + "\nstop those processes, or point CUDA_VISIBLE_DEVICES (server.env) at free GPUs")
 
-    cmd = vllm_command(cfg)
+    paths.port_record.unlink(missing_ok=True)  # the record of an earlier server
+    cmd = server_command(cfg, paths.port_record)
     env = launch_env(cfg, api_key)
     # A replica's GPU group is claimed (gpus.py's locks) for as long as the server runs: it holds the locks.
     locks = lock_devices(_server_devices(cfg)) if cfg.replicas > 1 and physical_gpus() else []
@@ -169,7 +187,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
         for fd in locks:
             os.close(fd)
     record = {"pid": proc.pid, "pgid": proc.pid, "port": cfg.port, "host": cfg.host,
-              "url": cfg.local_url, "model": cfg.model_id, "command": cmd, "log": str(paths.log),
+              "model": cfg.model_id, "command": vllm_command(cfg), "launch": cmd, "log": str(paths.log),
               "started_at": time.time(), "keep": cfg.keep_server,
               "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
     if workflow_pid and not cfg.keep_server:
@@ -178,8 +196,16 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
                                     start_new_session=True)
         record["watchdog_pid"] = watchdog.pid
     write_atomic(paths.pidfile, record, indent=1)
-    log(f"started vLLM (pid {proc.pid}) on {cfg.local_url}; log: {paths.log}")
+    where = f"port {cfg.port}" if cfg.port else "a free port"
+    log(f"started vLLM (pid {proc.pid}) on {where} of {cfg.host}; log: {paths.log}, port record: {paths.port_record}")
     return record
+
+
+def _quiet_url(cfg: ServerConfig, paths: LocalPaths, pid: int) -> str | None:
+    try:
+        return served_url(cfg, paths, pid)
+    except ServerError:
+        return None
 
 
 def stop_local(paths: LocalPaths, grace_s: float = STOP_GRACE_S, log=say) -> bool:
@@ -226,14 +252,18 @@ class LocalServer(Backend):
         return self.record["started_at"] if self.record else time.time()
 
     def poll(self, log):
-        if self.record and not alive(self.record["pid"]):
+        if self.record is None:
+            raise ServerError(f"no server record at {self.paths.pidfile}: start the server first (start_local)")
+        if not alive(self.record["pid"]):
             self.paths.pidfile.unlink(missing_ok=True)
+            served_url(self.cfg, self.paths, self.record["pid"])  # the launcher's own error, if it left one
             refusal = vllm.memory_refusal(vllm.last_start(self.paths.log))
             if refusal:
                 raise ServerError(f"{refusal} (vLLM's log: {self.paths.log})")
             raise ServerError(f"vLLM (pid {self.record['pid']}) exited before it was ready. "
                               f"Last lines of {self.paths.log}:\n{log_tail(self.paths.log)}")
-        return self.cfg.base_urls(), self.wait_started
+        url = served_url(self.cfg, self.paths, self.record["pid"])
+        return ([url] if url else []), self.wait_started
 
     def progress_note(self) -> str:
         gpu = gpu_memory_summary()

