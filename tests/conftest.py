@@ -1,5 +1,6 @@
 """Shared helpers: run the real workflow in a temporary directory with a small config."""
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -113,19 +114,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_free_ports() -> int:
-    """A port p with p and p + 1 both free (replica i listens on server.port + i)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-            except OSError:
-                continue
-    pytest.fail("no two adjacent free ports")
+def served_ports(wd) -> list[int]:
+    """Every port a server under ``wd`` listened on (the port launchers' records, serving.port)."""
+    from eaglenest.serving.port import PORT_FILE, read_port_record
+
+    records = [read_port_record(p) for p in Path(wd).rglob(PORT_FILE)]
+    return sorted({r["port"] for r in records if r and r.get("port")})
+
+
+def servers_gone(wd, timeout: float = 30.0) -> None:
+    """Every server a workflow in ``wd`` started is gone (``server_gone`` on each port it used)."""
+    ports = served_ports(wd)
+    assert ports, f"no port record under {wd}"
+    for port in ports:
+        server_gone(port, timeout=timeout)
+
+
+def wait_port(log_dir, timeout: float = 120.0) -> int:
+    """The port the server whose records live in ``log_dir`` took, once its launcher wrote it."""
+    from eaglenest.serving.port import PORT_FILE, read_port_record
+
+    deadline = time.monotonic() + timeout
+    while True:
+        record = read_port_record(Path(log_dir) / PORT_FILE)
+        if record and record.get("port"):
+            return record["port"]
+        if time.monotonic() > deadline:
+            pytest.fail(f"no port record in {log_dir} within {timeout:g} s")
+        time.sleep(0.2)
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -137,7 +153,6 @@ def merge(base: dict, over: dict) -> dict:
 
 def write_config(workdir: Path, **overrides) -> dict:
     cfg = merge(BASE_CONFIG, overrides)
-    cfg["server"].setdefault("port", free_port())
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg
@@ -298,15 +313,15 @@ def start_toy_server(log_dir: Path):
     from eaglenest.serving.local import LocalPaths, start_local, stop_local
     from eaglenest.serving.settings import ServerConfig
 
-    cfg = ServerConfig.from_dict({**BASE_CONFIG["server"], "port": free_port()})
+    cfg = ServerConfig.from_dict(BASE_CONFIG["server"])  # no port: the launcher takes a free one
     paths = LocalPaths(log_dir)
     record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
     try:
-        wait_ready(cfg, paths, log=print)
+        ready = wait_ready(cfg, paths, log=print)
     except BaseException:
         stop_local(paths)
         raise
-    return cfg, record
+    return dataclasses.replace(cfg, port=int(ready["urls"][0].rsplit(":", 1)[1])), record
 
 
 @pytest.fixture(scope="session")
@@ -445,13 +460,11 @@ def cluster(slurm_cluster):
 
 def _portable(node, key=None):
     """The default config made to run anywhere: repo-relative paths (toy target, bundled prompts)
-    absolute, and every `port` (the generation server's, and any other server's) a free one."""
+    absolute (its servers take free ports where they run: no port is set)."""
     if isinstance(node, dict):
         return {k: _portable(v, k) for k, v in node.items()}
     if isinstance(node, list):
         return [_portable(v) for v in node]
-    if key == "port" and isinstance(node, int):
-        return free_port()
     if isinstance(node, str) and not os.path.isabs(node) and "/" in node and (ROOT / node).exists():
         return str(ROOT / node)
     return node

@@ -38,7 +38,11 @@ def _start(wd: Path, server: dict, targets=("traces/shard_0.jsonl",)) -> dict:
     assert ready["version"] and ready["model"] == "toy", ready  # a real vLLM served the toy target
     print(f"server ready: {ready}")
     return {"wd": wd, "cfg": ServerConfig.from_dict(cfg["server"]), "key": key, "ready": ready,
-            "url": ready["urls"][0], "run_output": out.stdout + out.stderr}
+            "url": ready["urls"][0], "port": _port(ready["urls"][0]), "run_output": out.stdout + out.stderr}
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def _stop(wd: Path, log_dir: str) -> None:
@@ -96,7 +100,7 @@ def _check_key_is_private(s, also: list[str]):
     key_file = s["wd"] / RUN_KEY_FILE
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
-    texts = {"vLLM's command line": _vllm_cmdline(s["cfg"].port), "server.ready": (s["wd"] / "server.ready").read_text(),
+    texts = {"vLLM's command line": _vllm_cmdline(s["port"]), "server.ready": (s["wd"] / "server.ready").read_text(),
              "snakemake's output": s["run_output"], **{f"extra {i}": t for i, t in enumerate(also)}}
     for f in _files_under(s["wd"] / "logs") + _files_under(s["wd"] / ".snakemake" / "log"):
         texts[str(f)] = f.read_text(errors="replace")
@@ -149,13 +153,14 @@ def local_server(tmp_path_factory):
 
 
 def test_local_server_on_every_interface_refuses_a_request_without_the_key(local_server):
-    assert "--host 0.0.0.0" in _vllm_cmdline(local_server["cfg"].port)
+    assert "--host 0.0.0.0" in _vllm_cmdline(local_server["port"])
     _check_refuses_strangers_and_serves_its_jobs(local_server)
 
 
 def test_local_server_key_is_in_no_command_line_sentinel_or_log(local_server):
     record = read_pidfile(LocalPaths(local_server["wd"] / "logs/server"))
-    assert record and _vllm_cmdline(local_server["cfg"].port) == " ".join(record["command"])
+    port = local_server["port"]  # the launcher's free pick, added to the recorded command
+    assert record and _vllm_cmdline(port) == " ".join(record["command"] + ["--port", str(port)])
     _check_key_is_private(local_server, [json.dumps(record)])
 
 
@@ -181,8 +186,8 @@ def extraction_server(local_server):
 def test_extraction_server_refuses_strangers_and_keeps_the_key_private(extraction_server):
     s = extraction_server
     assert (s["wd"] / "hidden/shard_0.safetensors").exists()  # the workflow's client was served
-    port = s["record"]["port"]
-    assert port != s["cfg"].port and "--host 0.0.0.0" in _vllm_cmdline(port)
+    port = _port(s["url"])
+    assert port != s["port"] and "--host 0.0.0.0" in _vllm_cmdline(port)
     assert _get_status(s["url"], None) == 401 and _get_status(s["url"], s["key"]) == 200
     assert _get_status(s["url"], None, "/invocations", {"model": "toy", "prompt": [1, 2], "max_tokens": 1}) == 401
     texts = {"vLLM's command line": _vllm_cmdline(port), "hidden_server.ready": (s["wd"] / "hidden_server.ready").read_text(),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import eager, free_port, measure_draft, server_gone
+from conftest import eager, free_port, measure_draft, server_gone, servers_gone
 
 # The first test to use the session-wide default run pays for it (about 15-30 min on 2 cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
@@ -45,7 +45,7 @@ def test_default_workflow_report_meets_the_promise(default_run):
     assert facts["max_concurrency"] >= cfg["generation"]["concurrency"], facts
     assert {report[key]["execution"] for key in ("baseline", "eagle3", "ngram")} == {"eager"}, report["checks"]
     # Every server the workflow started (generation, validation) is gone: no process, a free port.
-    server_gone(cfg["server"]["port"])
+    servers_gone(wd)
     assert not (wd / "server.ready").exists()
 
 

@@ -111,7 +111,7 @@ def server(tmp_path_factory):
         ref = wd / "ref.safetensors"
         extract_hidden([traces], ref, str(TOY_TARGET), aux_layers=AUX, max_length=512, dtype="float32", progress=False)
         yield {"wd": wd, "cfg": cfg, "paths": paths, "storage": storage, "traces": traces, "ref": ref,
-               "head": wd / "head.safetensors", "url": cfg.local_url}
+               "head": wd / "head.safetensors", "url": cfg.url_at(cfg.port)}
     finally:
         stop_local(paths)
 

@@ -41,27 +41,27 @@ def test_external_mode_uses_the_users_server_and_never_stops_it(toy_server, tmp_
     cfg, record = toy_server
     wd = tmp_path / "external"
     write_config(wd, dataset={"limit": 24, "heldout": 4},
-                 server={"mode": "external", "urls": [cfg.local_url], "port": cfg.port})
+                 server={"mode": "external", "urls": [cfg.url_at(cfg.port)], "port": cfg.port})
     run_snakemake(wd, "server.stopped")
     records = [r for i in range(2) for r in _lines(wd / f"traces/shard_{i}.jsonl")]
     prompts = [r for i in range(2) for r in _lines(wd / f"data/prompts/shard_{i}.jsonl")]
-    assert len(records) == len(prompts) > 0 and {r["server"] for r in records} == {cfg.local_url}
+    assert len(records) == len(prompts) > 0 and {r["server"] for r in records} == {cfg.url_at(cfg.port)}
     assert not (wd / "logs/server/vllm.pid.json").exists(), "external mode starts no server of its own"
     # The workflow finished (onsuccess ran, stop_server ran): the user's server is untouched.
-    assert alive(record["pid"]) and is_serving(cfg.local_url, "toy")
+    assert alive(record["pid"]) and is_serving(cfg.url_at(cfg.port), "toy")
 
 
 def test_a_real_400_is_counted_in_the_errors_file(toy_server, tmp_path):
     cfg, _ = toy_server
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=6)  # 2 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
-    stats = generate_shard(prompts, out, urls=[cfg.local_url], model="toy", progress=False,
+    stats = generate_shard(prompts, out, urls=[cfg.url_at(cfg.port)], model="toy", progress=False,
                            generation={**GENERATION, "max_error_fraction": 0.2})
     assert stats["errors"] == 2 and stats["retries"] == 0 and stats["completed"] == 10, stats
     errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
     assert sorted(e["id"] for e in errors) == ["p005", "p011"]
     for e in errors:
-        assert e["status"] == 400 and e["server"] == cfg.local_url, e
+        assert e["status"] == 400 and e["server"] == cfg.url_at(cfg.port), e
         assert str(MAX_MODEL_LEN) in e["body"], e  # vLLM names the limit it enforced
     assert len(_lines(out)) == 10
 
@@ -71,7 +71,7 @@ def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(toy_server, tmp
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=3)  # 4 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
     with pytest.raises(TracesError) as e:
-        generate_shard(prompts, out, urls=[cfg.local_url], model="toy", progress=False,
+        generate_shard(prompts, out, urls=[cfg.url_at(cfg.port)], model="toy", progress=False,
                        generation={**GENERATION, "concurrency": 1, "max_error_fraction": 0.1})
     msg = str(e.value)
     assert "shard_0" in msg and "HTTP 400" in msg and "more than 10%" in msg, msg
@@ -87,18 +87,18 @@ def test_two_real_replicas_share_a_shard(toy_server, tmp_path):
     try:
         prompts = _prompts(tmp_path / "prompts.jsonl", 40)
         # A fresh vLLM answers its first requests slowly; warm it so the split reflects routing, not start-up.
-        generate_shard(_prompts(tmp_path / "warm.jsonl", 2), tmp_path / "warm/shard_0.jsonl", urls=[second.local_url],
+        generate_shard(_prompts(tmp_path / "warm.jsonl", 2), tmp_path / "warm/shard_0.jsonl", urls=[second.url_at(second.port)],
                        model="toy", progress=False, generation=GENERATION)
         out = tmp_path / "traces/shard_0.jsonl"
-        stats = generate_shard(prompts, out, urls=[cfg.local_url, second.local_url], model="toy", progress=False,
+        stats = generate_shard(prompts, out, urls=[cfg.url_at(cfg.port), second.url_at(second.port)], model="toy", progress=False,
                                generation=GENERATION)
         records = _lines(out)
         assert len(records) == 40 and stats["errors"] == 0
-        served = {url: sum(r["server"] == url for r in records) for url in (cfg.local_url, second.local_url)}
+        served = {url: sum(r["server"] == url for r in records) for url in (cfg.url_at(cfg.port), second.url_at(second.port))}
         # Both replicas answered (fewest-outstanding routing gives the faster one more: no fixed share).
         assert all(n >= 1 for n in served.values()), served
         # Greedy answers do not depend on the replica that gave them.
-        alone = generate_shard(prompts, tmp_path / "alone/shard_0.jsonl", urls=[cfg.local_url], model="toy",
+        alone = generate_shard(prompts, tmp_path / "alone/shard_0.jsonl", urls=[cfg.url_at(cfg.port)], model="toy",
                                progress=False, generation=GENERATION)
         assert alone["errors"] == 0
         assert [r["completion_token_ids"] for r in records] == \

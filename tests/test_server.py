@@ -1,4 +1,5 @@
 """Server lifecycle pieces that need no model: command line, GPU check, pidfile, stale sentinel."""
+import dataclasses
 import json
 import os
 import stat
@@ -13,7 +14,8 @@ from conftest import free_port
 from eaglenest.errors import EaglenestError
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import start_server, stop_server, wait_ready
-from eaglenest.serving.local import LocalPaths, busy_gpus, launch_env, start_local, stop_local, vllm_command
+from eaglenest.serving.local import (LocalPaths, busy_gpus, launch_env, server_command, start_local, stop_local,
+                                     vllm_command)
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import (RUN_KEY_FILE, ServerConfig, check_model_path, forget_run_key,
                                         looks_like_local_path, run_key)
@@ -27,11 +29,14 @@ def test_command_carries_settings_but_no_secret(monkeypatch):
                        reasoning_parser="kimi_k2", extra_args=["--enable-prefix-caching"], api_key_env="MY_KEY")
     cmd = vllm_command(cfg)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    for a, b in [("--model", "m"), ("--port", "8123"), ("--tensor-parallel-size", "8"), ("--max-model-len", "4096"),
+    for a, b in [("--model", "m"), ("--tensor-parallel-size", "8"), ("--max-model-len", "4096"),
                  ("--reasoning-parser", "kimi_k2"), ("--served-model-name", "toy"), ("--host", "127.0.0.1")]:
         assert cmd[cmd.index(a) + 1] == b
-    assert "--enable-prefix-caching" in cmd
+    assert "--enable-prefix-caching" in cmd and "--port" not in cmd  # the launcher adds the port it took
     assert "s3cret" not in " ".join(cmd)
+    launched = server_command(cfg, "logs/port.json")
+    assert launched[launched.index("--want") + 1] == "8123" and launched[launched.index("--") + 1:] == cmd
+    assert server_command(dataclasses.replace(cfg, port=None), "p.json")[launched.index("--want") + 1] == "auto"
 
 
 @pytest.mark.parametrize("tp, extra, single", [(1, [], True), (2, [], False),

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import (assert_traces_complete, descendants, finished_before, run_snakemake, server_gone,
-                      start_workflow, wait_partial, write_config)
+                      servers_gone, start_workflow, wait_partial, wait_port, write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
@@ -51,13 +51,13 @@ KILL_PROMPTS = 100
 
 def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
     wd = tmp_path / "kill9"
-    cfg = write_config(wd, dataset={"limit": KILL_PROMPTS, "heldout": 0}, shards=1, generation={"concurrency": 4})
-    port = cfg["server"]["port"]
+    write_config(wd, dataset={"limit": KILL_PROMPTS, "heldout": 0}, shards=1, generation={"concurrency": 4})
     proc = start_workflow(wd, "traces/shard_0.jsonl")
     below = {}
     try:
         partial = wait_partial(wd, 20, proc)
         record = _server_record(wd, proc)
+        port = wait_port(wd / "logs/server")
         below = {pid: _cmdline(pid) for pid in descendants(proc.pid)}
         proc.kill()  # SIGKILL: no onerror, no cleanup of any kind; only the watchdog is left
         proc.wait()
@@ -72,7 +72,7 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
         run_snakemake(wd, "--unlock")
         run_snakemake(wd, "traces/shard_0.jsonl", "--rerun-incomplete")
         assert_traces_complete(wd, before)
-        server_gone(port)
+        servers_gone(wd)  # the rerun's server too (its own free port)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the test failed before its kill: end what it started
@@ -84,12 +84,12 @@ def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):
 def test_sigint_stops_the_server_through_onerror_before_snakemake_exits(tmp_path):
     wd = tmp_path / "sigint"
     # every bundled prompt: the interrupt must land while the shard is still being generated
-    cfg = write_config(wd, dataset={"limit": 2000, "heldout": 0}, shards=1, generation={"concurrency": 4})
-    port = cfg["server"]["port"]
+    write_config(wd, dataset={"limit": 2000, "heldout": 0}, shards=1, generation={"concurrency": 4})
     proc = start_workflow(wd, "traces/shard_0.jsonl")
     try:
         wait_partial(wd, 20, proc)
         record = _server_record(wd, proc)
+        port = wait_port(wd / "logs/server")
         # Ctrl-C in a terminal reaches the foreground process group: Snakemake and its jobs (the server
         # and its watchdog run in sessions of their own and get nothing).
         os.killpg(proc.pid, signal.SIGINT)

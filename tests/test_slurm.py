@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def _server(tmp_path, fake_vllm, cluster, monkeypatch, **over):
                        max_model_len=512, poll_interval=0.5, ready_timeout=60, api_key_env=KEY_ENV,
                        env={"PYTHONPATH": str(fake_vllm)})
     settings = SlurmSettings(**{"cpus": 1, "mem": "500M", "gpus": 0, "time": "10:00", **over})
-    cluster.append(job_name(cfg, tmp_path))
+    cluster.append(job_name(cfg, tmp_path / "logs" / "server"))
     return cfg, settings, SlurmPaths(tmp_path / "logs" / "server")
 
 
@@ -110,7 +111,7 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     first = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
     job_id = first["job_id"]
     shown = scontrol_job(job_id)
-    assert f"JobId={job_id} " in shown and f"JobName={job_name(cfg, tmp_path)} " in shown
+    assert f"JobId={job_id} " in shown and f"JobName={job_name(cfg, tmp_path / 'logs' / 'server')} " in shown
     assert "NumCPUs=1 " in shown and "gpu" not in shown.lower()  # gpus: 0 asks for none
 
     again = submit_server(cfg, settings, paths, workdir=tmp_path, sentinel=sentinel, log=lambda m: None)
@@ -135,6 +136,27 @@ def test_server_job_serves_is_reused_and_cancelled(tmp_path, fake_vllm, cluster,
     assert _wait_gone(job_id) is None or job_info(job_id)["state"] == "CANCELLED"
     assert not paths.record.exists() and not sentinel.exists()
     assert not cancel_server(paths, log=lambda m: None)
+
+
+def test_a_set_port_taken_on_the_node_fails_the_job_at_once_naming_port_and_node(tmp_path, fake_vllm, cluster,
+                                                                                monkeypatch):
+    """server.port set and held by another process on the node the job runs on: the job's launcher starts
+    no server, and the controller's error says which port on which node, within a poll or two."""
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
+        cfg = dataclasses.replace(cfg, port=held.getsockname()[1])
+        cluster.append(job_name(cfg, paths.log_dir))
+        record = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)
+        t0 = time.monotonic()
+        with pytest.raises(ServerError) as e:
+            wait_ready(cfg, paths, log=lambda m: None)
+    said = str(e.value)
+    assert f"port {cfg.port} is already in use on {socket.gethostname()} (server.port = {cfg.port})" in said, said
+    assert time.monotonic() - t0 < 60
+    assert "fake vllm: loading" not in Path(record["log"]).read_text()  # no server was started on it
+    assert _wait_gone(record["job_id"]) is None or job_info(record["job_id"])["state"] not in ALIVE
 
 
 def test_start_and_stop_server_dispatch_to_slurm_with_the_one_launch_environment(tmp_path, fake_vllm, cluster,

@@ -9,8 +9,7 @@ import time
 import pytest
 import yaml
 
-from conftest import (TOY_PROMPTS, read_lines, run_snakemake, server_gone, slurm_command, two_free_ports,
-                      write_config)
+from conftest import TOY_PROMPTS, read_lines, run_snakemake, server_gone, slurm_command, wait_port, write_config
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
 
@@ -25,16 +24,18 @@ SERVER = {"mode": "slurm", "replicas": 2, "keep_server": True,
 @pytest.fixture(scope="module")
 def two_jobs(tmp_path_factory, slurm_cluster):
     wd = tmp_path_factory.mktemp("slurm_replicas")
-    cfg = write_config(wd, **SMALL, server={**SERVER, "port": two_free_ports()})
-    port = cfg["server"]["port"]
-    names = [job_name(ServerConfig.from_dict({**cfg["server"], "port": port + i}), wd) for i in range(2)]
+    cfg = write_config(wd, **SMALL, server=SERVER)  # each job takes a free port on its node
+    dirs = [wd / "logs/server" / (f"replica_{i}" if i else "") for i in range(2)]
+    names = [job_name(ServerConfig.from_dict(cfg["server"]), d) for d in dirs]
     try:
         t0 = time.monotonic()
         out = run_snakemake(wd, "traces/shard_0.jsonl", timeout=900)
-        records = [read_record(SlurmPaths(wd / "logs/server" / (f"replica_{i}" if i else ""))) for i in range(2)]
+        records = [read_record(SlurmPaths(d)) for d in dirs]
         assert all(records), "a replica's job record is missing"
+        ports = [wait_port(d) for d in dirs]
+        assert ports[0] != ports[1], ports
         print(f"first run, 2 server jobs {[r['job_id'] for r in records]}: {time.monotonic() - t0:.0f} s")
-        yield {"wd": wd, "port": port, "names": names, "jobs": [r["job_id"] for r in records],
+        yield {"wd": wd, "ports": ports, "names": names, "jobs": [r["job_id"] for r in records],
                "out": out.stdout + out.stderr}
     finally:
         for name in names:
@@ -42,14 +43,14 @@ def two_jobs(tmp_path_factory, slurm_cluster):
 
 
 def test_the_plan_shows_two_server_jobs_and_both_serve(two_jobs):
-    wd, port = two_jobs["wd"], two_jobs["port"]
+    wd, ports = two_jobs["wd"], two_jobs["ports"]
     assert "replicas: 2 (server.replicas, server.mode slurm)" in two_jobs["out"]
     assert "GPUs, generate_traces: 2 SLURM job(s) x 0 GPUs" in two_jobs["out"]
     for job_id in two_jobs["jobs"]:
         assert job_info(job_id)["state"] == "RUNNING"  # kept (server.keep_server)
     stats = json.loads((wd / "traces/shard_0.stats.json").read_text())
     answered = stats["answered_per_url"]
-    assert sorted(answered) == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    assert sorted(answered) == sorted(f"http://127.0.0.1:{port}" for port in ports)
     assert all(n > 0 for n in answered.values()), answered
     assert len(read_lines(wd / "traces/shard_0.jsonl")) == sum(answered.values())
 
@@ -72,5 +73,5 @@ def test_a_failed_rerun_reuses_both_jobs_then_cancels_both(two_jobs):
     assert "submitted vLLM" not in said
     assert all(s is None or s["state"] not in ALIVE | {"COMPLETING"} for s in states), states
     assert all(find_jobs(name) == [] for name in two_jobs["names"])
-    for i in range(2):
-        server_gone(two_jobs["port"] + i, timeout=60)
+    for port in two_jobs["ports"]:
+        server_gone(port, timeout=60)

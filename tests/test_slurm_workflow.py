@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import (ROOT, TOY_PROMPTS, started_at, run_snakemake, scontrol_job, server_gone, slurm_command,
-                      vllm_pids, write_config)
+                      vllm_pids, wait_port, write_config)
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
 
@@ -28,7 +28,7 @@ def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):
                  train={"max_steps": 10, "batch_tokens": 2048, "save_every": 5},
                  hidden={"dtype": "float32", "max_length": 512})
     # The run cancels its server job itself; the fixture cancels it (by its whole name) if the test fails.
-    cluster.append(job_name(ServerConfig.from_dict(cfg["server"]), wd))
+    cluster.append(job_name(ServerConfig.from_dict(cfg["server"]), wd / "logs/server"))
     t0 = time.monotonic()
     out = run_snakemake(wd, "draft/checkpoint", "--profile", str(ROOT / "profiles/slurm"), "--jobs", "2",
                         "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "10", timeout=1400)
@@ -84,7 +84,7 @@ def kept_server(tmp_path_factory, slurm_cluster):
     failed (the job name is a hash of this directory: no other test's or user's job has it)."""
     wd = tmp_path_factory.mktemp("slurm_rerun")
     cfg = write_config(wd, **SMALL, server=SLURM_SERVER)
-    name, port = job_name(ServerConfig.from_dict(cfg["server"]), wd), cfg["server"]["port"]
+    name = job_name(ServerConfig.from_dict(cfg["server"]), wd / "logs/server")
     submitted = set()
     try:
         t0 = time.monotonic()
@@ -93,6 +93,7 @@ def kept_server(tmp_path_factory, slurm_cluster):
         assert record, "the run kept no server job record (logs/server/slurm.job.json)"
         submitted.add(record["job_id"])
         print(f"first run (vLLM submitted as SLURM job {record['job_id']}): {time.monotonic() - t0:.0f} s")
+        port = wait_port(wd / "logs/server")  # the port the job's launcher took on the node
         yield {"wd": wd, "name": name, "port": port, "job_id": record["job_id"]}
     finally:
         submitted.update(j["job_id"] for j in find_jobs(name))

@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import (TOY_TARGET, assert_traces_complete, descendants_running, finished_before, prompt_ids,
-                      read_lines, run_snakemake, server_gone, start_workflow, wait_partial, write_config)
+                      read_lines, run_snakemake, servers_gone, start_workflow, wait_partial,
+                      write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
 
 pytestmark = pytest.mark.vllm
@@ -23,7 +24,7 @@ TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
 def traced(toy_server, tmp_path_factory):
     server, _ = toy_server
     wd = tmp_path_factory.mktemp("wf")
-    cfg = write_config(wd, server={"mode": "external", "urls": [server.local_url], "port": server.port})
+    cfg = write_config(wd, server={"mode": "external", "urls": [server.url_at(server.port)], "port": server.port})
     t0 = time.monotonic()
     run_snakemake(wd, "server.stopped")
     return wd, cfg, time.monotonic() - t0
@@ -119,7 +120,7 @@ def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):
 
 def test_server_death_mid_shard_fails_clearly_and_rerun_completes_then_stops_its_server(tmp_path):
     wd = tmp_path / "dies"
-    cfg = write_config(wd, dataset={"limit": FAULT_PROMPTS, "heldout": 0}, shards=1,
+    write_config(wd, dataset={"limit": FAULT_PROMPTS, "heldout": 0}, shards=1,
                        generation={"concurrency": 4, "max_retries": 2})
     try:
         proc = start_workflow(wd, "traces/shard_0.jsonl")
@@ -137,7 +138,7 @@ def test_server_death_mid_shard_fails_clearly_and_rerun_completes_then_stops_its
         assert not (wd / "server.ready").exists()
         assert read_pidfile(LocalPaths(wd / "logs/server")) is None
         assert "server ready" in (wd / "logs/server_ready.log").read_text()
-        server_gone(cfg["server"]["port"])
+        servers_gone(wd)
     finally:
         stop_local(LocalPaths(wd / "logs/server"))
 
