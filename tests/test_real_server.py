@@ -1,20 +1,20 @@
-"""The workflow and the trace client against real vLLM servers this test started itself: external mode
-(the workflow uses the server and never stops it), two replicas sharing one shard, and a real HTTP 400
-(a prompt longer than the toy's max_model_len) counted in the errors file, with the error-fraction gate
-failing the shard with a message that says what to do.
+"""The workflow and the trace client against a real vLLM server this test session started itself: external
+mode (the workflow uses the server and never stops it), and a real HTTP 400 (a prompt longer than the
+toy's max_model_len) counted in the errors file, with the error-fraction gate failing the shard with a
+message that says what to do.
 
 The session's toy server (conftest.toy_server, which tests that only send requests share) serves every
-test here; the replica test starts a second one for itself."""
+test here. Two replicas sharing a shard are tested with the workflow's own replicas (tests/test_replicas.py:
+both answer, and their traces equal one server's at temperature 0)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import BASE_CONFIG, run_snakemake, server_gone, start_toy_server, write_config
+from conftest import BASE_CONFIG, run_snakemake, write_config
 from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
-from eaglenest.serving.local import LocalPaths, stop_local
 from eaglenest.serving.probe import is_serving
 
 pytestmark = pytest.mark.vllm
@@ -79,30 +79,3 @@ def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(toy_server, tmp
     assert not out.exists()
     errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
     assert errors and all(e["status"] == 400 for e in errors)
-
-
-def test_two_real_replicas_share_a_shard(toy_server, tmp_path):
-    cfg, _ = toy_server
-    second, record = start_toy_server(tmp_path / "replica")
-    try:
-        prompts = _prompts(tmp_path / "prompts.jsonl", 40)
-        # A fresh vLLM answers its first requests slowly; warm it so the split reflects routing, not start-up.
-        generate_shard(_prompts(tmp_path / "warm.jsonl", 2), tmp_path / "warm/shard_0.jsonl", urls=[second.url_at(second.port)],
-                       model="toy", progress=False, generation=GENERATION)
-        out = tmp_path / "traces/shard_0.jsonl"
-        stats = generate_shard(prompts, out, urls=[cfg.url_at(cfg.port), second.url_at(second.port)], model="toy", progress=False,
-                               generation=GENERATION)
-        records = _lines(out)
-        assert len(records) == 40 and stats["errors"] == 0
-        served = {url: sum(r["server"] == url for r in records) for url in (cfg.url_at(cfg.port), second.url_at(second.port))}
-        # Both replicas answered (fewest-outstanding routing gives the faster one more: no fixed share).
-        assert all(n >= 1 for n in served.values()), served
-        # Greedy answers do not depend on the replica that gave them.
-        alone = generate_shard(prompts, tmp_path / "alone/shard_0.jsonl", urls=[cfg.url_at(cfg.port)], model="toy",
-                               progress=False, generation=GENERATION)
-        assert alone["errors"] == 0
-        assert [r["completion_token_ids"] for r in records] == \
-               [r["completion_token_ids"] for r in _lines(tmp_path / "alone/shard_0.jsonl")]
-    finally:
-        stop_local(LocalPaths(tmp_path / "replica"))
-    server_gone(second.port, pgids=[record["pgid"]])

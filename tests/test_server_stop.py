@@ -46,7 +46,7 @@ def _kill_leftovers(procs):
 
 
 # Enough questions that the kill lands mid-shard, after the first 20 answers, and few for the rerun to finish.
-KILL_PROMPTS = 100
+KILL_PROMPTS = 48
 
 
 def test_kill_9_of_snakemake_leaves_no_vllm_and_a_rerun_finishes(tmp_path):

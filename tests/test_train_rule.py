@@ -102,5 +102,8 @@ def test_the_rules_torchrun_branch_with_two_cpu_processes(straight, copy_of):
     assert "torch.distributed.run" in log and "--nproc_per_node=2" in log, log[-2000:]
     assert _curve(straight) == _curve(wd)
     a, b = load_checkpoint(straight / CHECKPOINT)[0], load_checkpoint(wd / CHECKPOINT)[0]
+    # Two processes sum their gradients in another order than one: float32 rounding, which Adam's
+    # normalised steps carry into single weights (seen: 1e-5 on 1 of 32,768 under load). A branch that
+    # dropped a process's gradients would be a step's size (lr) off in most of them.
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)

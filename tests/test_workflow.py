@@ -88,7 +88,7 @@ def test_changing_limit_reruns_prompts_and_traces(traced):
 
 
 # The fault tests' shard: enough questions that a fault lands mid-shard after the first 20 answers.
-FAULT_PROMPTS = 100
+FAULT_PROMPTS = 48
 
 
 def test_kill_9_mid_shard_then_rerun_loses_and_duplicates_nothing(tmp_path):

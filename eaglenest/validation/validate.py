@@ -410,7 +410,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
                   "min_seconds": s["min_seconds"],
                   "served_model": srv.model_id, "tensor_parallel_size": srv.tensor_parallel_size,
-                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port}",
+                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port or 'a free port per run'}",
                   **draft_vocabulary(draft_dir)},
     )
     report["seconds"] = round(time.time() - t0, 1)
