@@ -4,10 +4,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.eaglenest-installed
 UV := $(VENV)/bin/uv
-# The GPU set where nvidia-smi sees a GPU; `make install GPU=1` (or EAGLENEST_DEVICE=cuda) builds it
-# without one, e.g. on a login node for the compute nodes; GPU=0 / EAGLENEST_DEVICE=cpu the CPU set.
+# Which set: asked for with GPU=1 / GPU=0 (or EAGLENEST_DEVICE=cuda / cpu); else the set already
+# installed (the stamp's), so `make run` or `make plan` on a login node without GPUs keeps the GPU set
+# `make install GPU=1` built there for the compute nodes; else, on a first install, the GPU set where
+# nvidia-smi sees a GPU and the CPU set elsewhere. A new lock reinstalls the same set.
 EAGLENEST_DEVICE ?=
-GPU ?= $(if $(filter cuda,$(EAGLENEST_DEVICE)),1,$(if $(filter cpu,$(EAGLENEST_DEVICE)),0,$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)))
+INSTALLED_GPU := $(patsubst GPU=%,%,$(shell cat $(STAMP) 2>/dev/null))
+GPU ?= $(if $(filter cuda,$(EAGLENEST_DEVICE)),1,$(if $(filter cpu,$(EAGLENEST_DEVICE)),0,$(or $(INSTALLED_GPU),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0))))
 SNAKEMAKE_ARGS ?=
 
 .PHONY: run plan test test-quick install clean-outputs lock-cpu lock-gpu
@@ -23,7 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # Both branches install a full resolved set without resolving it again (--no-deps): pip has no
 # overrides, and requirements/overrides.txt says why the locks need one. The stamp records the branch,
-# so switching GPU= reinstalls. pip installs only uv, at the lock's pin; uv installs the lock and
+# so asking for the other one (GPU= or EAGLENEST_DEVICE=) reinstalls. pip installs only uv, at the lock's pin; uv installs the lock and
 # downloads in parallel (pip took 165 s for the CPU set on this 2-core machine). The import check at
 # the end compiles the server's imports (see PYTHONDONTWRITEBYTECODE above).
 # GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked, uv's own
