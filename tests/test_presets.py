@@ -23,8 +23,9 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 SLURM_PRESETS = [p for p in PRESETS if p.name.endswith(".slurm.yaml")]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # What a SLURM variant may change of its one-node preset
+# (in stream mode the extraction server is its own job on its own node: its placement, and its full share)
 SLURM_KEYS = [("server", "mode"), ("server", "slurm"), ("hidden", "gpus"), ("hidden", "gpu_memory_gib"),
-              ("train", "gpus"), ("validate", "gpus")]
+              ("hidden", "placement"), ("hidden", "gpu_memory_utilization"), ("train", "gpus"), ("validate", "gpus")]
 GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate"}
 
 
@@ -106,6 +107,7 @@ def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved):
 def test_the_embedded_default_and_config_overrides_still_apply(tmp_path):
     (tmp_path / "plain").mkdir()
     shutil.copy(ROOT / "config.yaml", tmp_path / "plain/config.yaml")  # the Snakefile's configfile, in the workdir
+    (tmp_path / "plain/toy").symlink_to(ROOT / "toy")  # its dataset and target, which the checks read, as in the repo
     dry_run(tmp_path / "plain", "--cores", "1", "--config", "shards=3")  # no --configfile: config.yaml
     cfg = yaml.safe_load((tmp_path / "plain/logs/config.resolved.yaml").read_text())
     embedded = yaml.safe_load((ROOT / "config.yaml").read_text())
