@@ -148,8 +148,9 @@ def test_a_slurm_preset_plans_its_gpus_and_partition_from_a_login_node(path, res
     cfg, out = resolved[path.name]
     partition = cfg["server"]["slurm"]["partition"]
     if path.name.startswith("qwen3"):  # backend transformers too: its extract_hidden rule is a GPU rule
-        out += dry_run(tmp_path, "--configfile", str(path), "--profile", str(ROOT / "profiles/slurm"),
-                       "--config", "hidden={backend: transformers}")
+        files = tmp_path / "files.yaml"  # files mode (transformers has no stream), with shards this disk holds
+        files.write_text(yaml.safe_dump({"hidden": {"backend": "transformers", "mode": "files"}, "dataset": {"limit": 50}}))
+        out += dry_run(tmp_path, "--configfile", str(path), str(files), "--profile", str(ROOT / "profiles/slurm"))
     jobs = _dry_run_jobs(out)
     planned = {j["rule"] for j in jobs}
     assert {"train_draft", "validate_draft", "server_ready"} <= planned
@@ -176,7 +177,8 @@ def test_server_job_partition_falls_back_to_eaglenest_gpu_partition(tmp_path, mo
 def test_slurm_mode_without_a_gpu_partition_stops_when_sbatch_partition_would_take_the_gpu_jobs(tmp_path):
     env = _no_gpu_env()
     out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
-                          "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}"],
+                          "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}",
+                          "hidden={placement: slurm}"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0 and "server.slurm.partition" in out.stdout + out.stderr
 
