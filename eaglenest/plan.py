@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class Plan:
     server_mode: str
     gpus: dict = field(default_factory=dict)  # stage -> words
     measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
+    skipped: list = field(default_factory=list)  # checks.check_config's notes: checks it could not run
 
     @property
     def suggest_stream(self) -> bool:
@@ -227,6 +229,7 @@ def format_plan(p: Plan) -> str:
                      f"about {human_seconds(m['remaining_s'])} at that rate")
     else:
         lines.append("  generation time: projected once a trace shard has finished")
+    lines += [f"  skipped check: {note}" for note in p.skipped]
     return "\n".join(lines)
 
 
@@ -241,8 +244,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: config.yaml)")
     p.add_argument("--directory", "-d", default=".", help="the working directory (default: here)")
     args = p.parse_args(argv)
-    config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
-    print(format_plan(make_plan(config, args.directory)))
+    from .checks import check_config
+    from .errors import EaglenestError
+
+    try:  # a config the user can fix: one line, no traceback
+        config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
+        plan = make_plan(config, args.directory)
+        plan.skipped = check_config(config, plan, args.directory)
+    except (EaglenestError, OSError) as e:
+        sys.exit(f"{args.configfile}: {e}")
+    print(format_plan(plan))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
 from eaglenest.data.traces import ANSWER_SETTINGS
 from eaglenest.plan import format_plan, make_plan, stage_gpus
+from eaglenest.checks import check_config
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
@@ -89,8 +90,15 @@ def gpu_resources(section):
 
 
 if workflow.is_main_process:
-    # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size.
-    logger.info(f"eaglenest: {format_plan(make_plan(config, has_gpu=HAS_GPU))}")
+    # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size, and
+    # the config checked against the target's config.json and the disk (eaglenest.checks).
+    PLAN = make_plan(config, has_gpu=HAS_GPU)
+    try:
+        PLAN.skipped = check_config(config, PLAN)
+    except ConfigError as e:
+        logger.info(f"eaglenest: {format_plan(PLAN)}")
+        raise WorkflowError(f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config): {e}") from None
+    logger.info(f"eaglenest: {format_plan(PLAN)}")
 
 
 if SERVER.mode == "slurm":

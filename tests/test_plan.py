@@ -46,7 +46,8 @@ def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
 
 
 def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_path):
-    plan = make_plan(preset("kimi-k2.5-int4.yaml"), tmp_path, has_gpu=True)
+    files = changed(preset("kimi-k2.5-int4.yaml"), "hidden", "mode", "files")  # the preset streams: it must
+    plan = make_plan(files, tmp_path, has_gpu=True)
     assert shard_bytes_per_token(7168) == 57357  # the README's figure for Kimi-K2.5
     assert plan.files_bytes > 5e12 and plan.suggest_stream
     text = format_plan(plan)
@@ -86,6 +87,8 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
     plan = make_plan(config, tmp_path)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
     assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}}))
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600, "path": str(ROOT / "toy/prompts.jsonl")},
+                                                       "server": {"model": str(ROOT / "toy/target")},
+                                                       "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
     main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
     assert "the rest about 1.0 min" in capsys.readouterr().out

@@ -23,8 +23,9 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 SLURM_PRESETS = [p for p in PRESETS if p.name.endswith(".slurm.yaml")]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # What a SLURM variant may change of its one-node preset
+# (in stream mode the extraction server is its own job on its own node: its placement, and its full share)
 SLURM_KEYS = [("server", "mode"), ("server", "slurm"), ("hidden", "gpus"), ("hidden", "gpu_memory_gib"),
-              ("train", "gpus"), ("validate", "gpus")]
+              ("hidden", "placement"), ("hidden", "gpu_memory_utilization"), ("train", "gpus"), ("validate", "gpus")]
 GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate"}
 
 
@@ -106,6 +107,7 @@ def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved):
 def test_the_embedded_default_and_config_overrides_still_apply(tmp_path):
     (tmp_path / "plain").mkdir()
     shutil.copy(ROOT / "config.yaml", tmp_path / "plain/config.yaml")  # the Snakefile's configfile, in the workdir
+    (tmp_path / "plain/toy").symlink_to(ROOT / "toy")  # its dataset and target, which the checks read, as in the repo
     dry_run(tmp_path / "plain", "--cores", "1", "--config", "shards=3")  # no --configfile: config.yaml
     cfg = yaml.safe_load((tmp_path / "plain/logs/config.resolved.yaml").read_text())
     embedded = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -146,8 +148,9 @@ def test_a_slurm_preset_plans_its_gpus_and_partition_from_a_login_node(path, res
     cfg, out = resolved[path.name]
     partition = cfg["server"]["slurm"]["partition"]
     if path.name.startswith("qwen3"):  # backend transformers too: its extract_hidden rule is a GPU rule
-        out += dry_run(tmp_path, "--configfile", str(path), "--profile", str(ROOT / "profiles/slurm"),
-                       "--config", "hidden={backend: transformers}")
+        files = tmp_path / "files.yaml"  # files mode (transformers has no stream), with shards this disk holds
+        files.write_text(yaml.safe_dump({"hidden": {"backend": "transformers", "mode": "files"}, "dataset": {"limit": 50}}))
+        out += dry_run(tmp_path, "--configfile", str(path), str(files), "--profile", str(ROOT / "profiles/slurm"))
     jobs = _dry_run_jobs(out)
     planned = {j["rule"] for j in jobs}
     assert {"train_draft", "validate_draft", "server_ready"} <= planned
@@ -174,7 +177,8 @@ def test_server_job_partition_falls_back_to_eaglenest_gpu_partition(tmp_path, mo
 def test_slurm_mode_without_a_gpu_partition_stops_when_sbatch_partition_would_take_the_gpu_jobs(tmp_path):
     env = _no_gpu_env()
     out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
-                          "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}"],
+                          "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}",
+                          "hidden={placement: slurm}"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0 and "server.slurm.partition" in out.stdout + out.stderr
 

@@ -180,7 +180,8 @@ def _kind(name: str) -> str | None:
     return next((kind for ext, kind in EXTENSIONS.items() if lower.endswith(ext)), None)
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
+    """A path (./, ../, /, ~, or a dataset file extension) rather than a Hugging Face hub name."""
     return path.startswith(("./", "../", "/", "~", ".\\")) or path in (".", "..") or _kind(path) is not None
 
 
@@ -419,7 +420,7 @@ def _bad_line():
 
 
 def _is_local(path: str) -> bool:
-    return os.path.exists(os.path.expanduser(path)) or _looks_local(path)
+    return os.path.exists(os.path.expanduser(path)) or looks_local(path)
 
 
 def summary(stats: dict) -> str:

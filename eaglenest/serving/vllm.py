@@ -51,7 +51,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 # Kimi-K2.5 wraps a deepseek_v3 text model in KimiK25ForConditionalGeneration.
 NO_AUX_ID_0_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                                        "KimiK25ForConditionalGeneration"})
-NO_AUX_ID_0_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k25"})
+NO_AUX_ID_0_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25"})
 
 
 def check_aux_layers(aux_layers, num_layers: int, architectures=(), model_type=None) -> tuple[int, ...]:

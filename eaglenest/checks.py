@@ -1,0 +1,137 @@
+"""Checks of a resolved config against the target and the disk, before any job runs.
+
+`check_config` is called where the plan is made: by the workflow at parse time (`snakemake -n` too)
+and by `python -m eaglenest.plan`. Each failure is one line naming the key, its value, the limit and
+what to do; a check that needs the target's config.json (a local directory or the Hugging Face cache,
+nothing is downloaded) is skipped without it, and the plan says which were.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .data.prompts import looks_local
+from .errors import ConfigError
+from .plan import Plan, human_bytes
+from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
+
+
+def local_target_config(model: str, workdir: Path) -> dict | None:
+    """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache."""
+    from .states.target import target_config  # imports torch: only where a plan is made
+
+    local = workdir / model
+    return target_config(str(local) if (local / "config.json").is_file() else model)
+
+
+def _text_key(cfg: dict, key: str):
+    """A key of the language model: a multimodal wrapper (Kimi-K2.5) keeps it under text_config."""
+    text = cfg.get("text_config") or {}
+    return text.get(key) if text.get(key) is not None else cfg.get(key)
+
+
+def check_aux_ids(config: dict, model: str, cfg: dict) -> str | None:
+    layers = _text_key(cfg, "num_hidden_layers")
+    if not layers:
+        return None
+    ids = config["draft"]["aux_layers"]
+    types = {cfg.get("model_type"), (cfg.get("text_config") or {}).get("model_type")}
+    model_type = next((t for t in types if t in NO_AUX_ID_0_MODEL_TYPES), _text_key(cfg, "model_type"))
+    try:
+        default = list(default_aux_layers(layers))
+    except ValueError:
+        default = None
+    try:
+        if ids is None:
+            if default is None:
+                return (f"draft.aux_layers null: {model} has {layers} layers (num_hidden_layers in its config.json), "
+                        "too few for vLLM's default (2, N//2, N-3); set draft.aux_layers to 3 distinct ids")
+            return None
+        check_aux_layers(ids, layers, cfg.get("architectures") or (), model_type)
+    except ValueError as e:
+        hint = f", e.g. {default} (vLLM's default), or null for that default" if default else ""
+        return (f"draft.aux_layers: {e} ({model}'s config.json: num_hidden_layers {layers}); set draft.aux_layers "
+                f"to 3 distinct ids from 1 to {layers - 1}{hint}")
+    return None
+
+
+def check_vocab(config: dict, model: str, cfg: dict) -> str | None:
+    vocab, draft = _text_key(cfg, "vocab_size"), config["draft"]["vocab_size"]
+    if vocab and draft > vocab:
+        return (f"draft.vocab_size {draft:,} is larger than the vocabulary of {model} ({vocab:,}, vocab_size in its "
+                f"config.json), which would be silently clipped; set draft.vocab_size to {vocab} or less")
+    return None
+
+
+def check_heads(config: dict, model: str, cfg: dict) -> str | None:
+    heads, tp = _text_key(cfg, "num_attention_heads"), config["server"]["tensor_parallel_size"]
+    if heads and heads % tp:
+        fits = [n for n in range(1, min(heads, 16) + 1) if heads % n == 0]
+        return (f"server.tensor_parallel_size {tp} does not divide the {heads} attention heads of {model} "
+                f"(num_attention_heads in its config.json); set it to a divisor of {heads}, e.g. one of {fits}")
+    return None
+
+
+def check_lengths(config: dict) -> list[str]:
+    """Answers and hidden-state sequences within server.max_model_len. The longest prompt is not known
+    before the traces tokenize it, so max_tokens alone must leave room for one."""
+    limit, errors = config["server"]["max_model_len"], []
+    max_tokens, max_length = config["generation"]["max_tokens"], config["hidden"]["max_length"]
+    if max_tokens >= limit:
+        errors.append(f"generation.max_tokens {max_tokens:,} leaves no room for a prompt within server.max_model_len "
+                      f"{limit:,} (prompt + answer); set generation.max_tokens below {limit}, or raise "
+                      "server.max_model_len")
+    if max_length > limit:
+        errors.append(f"hidden.max_length {max_length:,} is above server.max_model_len {limit:,}, the longest "
+                      f"sequence the servers hold; set hidden.max_length to {limit} or less")
+    return errors
+
+
+def check_datasets(config: dict, workdir: Path) -> list[str]:
+    """Local dataset paths (dataset.path, validate.datasets[i].path) exist; a hub name is not checked."""
+    paths = [("dataset.path", config["dataset"]["path"])] + [
+        (f"validate.datasets[{i}].path ({d['name']})", d["path"]) for i, d in enumerate(config["validate"]["datasets"])]
+    errors = []
+    for key, path in paths:
+        if looks_local(path) and not (workdir / Path(path).expanduser()).exists():
+            errors.append(f"{key} {path}: no such file or directory (relative to the working directory "
+                          f"{workdir.resolve()}); fix the path, or give a Hugging Face dataset name (org/name)")
+    return errors
+
+
+def check_disk(plan: Plan) -> str | None:
+    """The plan's verdict binds: files mode whose shards cannot fit the free disk stops here."""
+    if plan.mode == "files" and plan.files_bytes is not None and plan.free_bytes is not None \
+            and plan.files_bytes > plan.free_bytes:
+        return (f"hidden.mode files: the shards need up to {human_bytes(plan.files_bytes)} and "
+                f"the working directory's disk has {human_bytes(plan.free_bytes)} free; set hidden.mode: stream (at most hidden.max_disk_gb "
+                "on disk at once), or lower dataset.limit or hidden.max_length")
+    return None
+
+
+def check_config(config: dict, plan: Plan, workdir: str | Path = ".") -> list[str]:
+    """Run every check of a resolved config; raise ConfigError with one line per failure, else return
+    the notes of the checks skipped (the plan prints them)."""
+    workdir = Path(workdir)
+    errors, skipped = [], []
+    model = config["hidden"]["target"] or config["server"]["model"]
+    cfg = local_target_config(model, workdir)
+    if cfg is None:
+        skipped.append(f"aux layer ids, draft vocabulary and tensor_parallel_size not checked: no config.json for "
+                       f"{model} here (a local directory or the Hugging Face cache); fetch it first, e.g. "
+                       f"`hf download {model} config.json`")
+    else:
+        errors += [e for e in (check_aux_ids(config, model, cfg), check_vocab(config, model, cfg),
+                               check_heads(config, model, cfg)) if e]
+    if config["server"]["max_model_len"]:
+        errors += check_lengths(config)
+    else:
+        skipped.append("generation.max_tokens and hidden.max_length not checked: server.max_model_len is null "
+                       "(vLLM takes the model's own)")
+    errors += check_datasets(config, workdir)
+    if plan.mode == "files" and plan.files_bytes is None:
+        skipped.append("files mode's disk not checked: the target's hidden size is unknown (set plan.hidden_size)")
+    errors += [e for e in (check_disk(plan),) if e]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return skipped

@@ -1,0 +1,129 @@
+"""Checks before any job (eaglenest.checks): a config the target or the disk cannot run stops `snakemake -n`
+and `python -m eaglenest.plan` with one line naming the key, the value, the limit and the fix, before
+any output is made. The target is a directory holding only a config.json (the toy's, changed)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglenest.checks import check_config
+from eaglenest.config import validate_config
+from eaglenest.errors import ConfigError
+from eaglenest.plan import format_plan, make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+TOY = json.loads((ROOT / "toy/target/config.json").read_text())  # 28 layers, 4 heads, vocabulary 105
+
+
+def target(tmp_path: Path, **changes) -> str:
+    d = tmp_path / "target"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**TOY, **changes}))
+    return str(d)
+
+
+def toy_config(model: str, **sections) -> dict:
+    """The embedded default with absolute paths and the given target; ``sections`` update its sections."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["dataset"]["path"] = str(ROOT / "toy/prompts.jsonl")
+    cfg["validate"]["datasets"][0]["path"] = str(ROOT / "toy/eval_prompts.jsonl")
+    cfg["server"]["model"] = model
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+# (name, target config.json changes, config changes, what the one line names)
+CASES = [
+    ("aux_out_of_range", {}, {"draft": {"aux_layers": [2, 14, 28]}},
+     ["draft.aux_layers", "[2, 14, 28]", "num_hidden_layers 28", "from 1 to 27"]),
+    ("aux_0_on_kimi_k25", {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                           "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 28}},
+     {"draft": {"aux_layers": [0, 14, 25]}}, ["draft.aux_layers", "[0, 14, 25]", "id 0", "from 1 to 27"]),
+    ("aux_0_on_kimi_k2", {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
+     {"draft": {"aux_layers": [0, 14, 25]}}, ["draft.aux_layers", "id 0", "DeepseekV3ForCausalLM"]),
+    ("draft_vocab_above_target", {}, {"draft": {"vocab_size": 200}},
+     ["draft.vocab_size 200", "(105, vocab_size", "set draft.vocab_size to 105 or less"]),
+    ("max_tokens_fill_max_model_len", {}, {"generation": {"max_tokens": 512}},
+     ["generation.max_tokens 512", "server.max_model_len 512", "below 512"]),
+    ("max_length_above_max_model_len", {}, {"hidden": {"max_length": 1024}},
+     ["hidden.max_length 1,024", "server.max_model_len 512", "to 512 or less"]),
+    ("tensor_parallel_3_of_4_heads", {}, {"server": {"tensor_parallel_size": 3}},
+     ["server.tensor_parallel_size 3", "4 attention heads", "[1, 2, 4]"]),
+    ("tensor_parallel_of_text_config_heads", {"text_config": {"num_attention_heads": 6}},
+     {"server": {"tensor_parallel_size": 4}}, ["server.tensor_parallel_size 4", "6 attention heads"]),
+    ("missing_local_dataset", {}, {"dataset": {"path": "/nonexistent/prompts.jsonl"}},
+     ["dataset.path /nonexistent/prompts.jsonl", "no such file", "Hugging Face dataset name"]),
+    ("files_mode_beyond_the_disk", {}, {"plan": {"hidden_size": 10**6}, "hidden": {"mode": "files"}},
+     ["hidden.mode files", "TB", "set hidden.mode: stream"]),
+]
+
+
+def bad_config(tmp_path, target_changes, changes) -> dict:
+    cfg = toy_config(target(tmp_path, **target_changes))
+    for section, values in changes.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+@pytest.mark.parametrize("name, target_changes, changes, words", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_config_is_refused_with_one_line(name, target_changes, changes, words, tmp_path):
+    cfg = validate_config(bad_config(tmp_path, target_changes, changes))
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and all(w in line for w in words), line
+
+
+def _no_gpu_env() -> dict:
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()]
+    return {**os.environ, "PATH": os.pathsep.join(path)}
+
+
+@pytest.mark.parametrize("name, target_changes, changes, words", CASES, ids=[c[0] for c in CASES])
+def test_the_dry_run_and_the_plan_stop_before_any_job(name, target_changes, changes, words, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(bad_config(tmp_path, target_changes, changes)))
+    plan = subprocess.run([sys.executable, "-m", "eaglenest.plan", "--configfile", str(config), "-d", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=_no_gpu_env())
+    assert plan.returncode == 1 and plan.stdout == ""
+    assert len(plan.stderr.strip().splitlines()) == 1 and all(w in plan.stderr for w in words), plan.stderr
+    run = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "wd"), "-n", "--cores", "1",
+                          "--configfile", str(config)], capture_output=True, text=True, timeout=300, env=_no_gpu_env())
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "Traceback" not in out
+    assert any(all(w in line for w in words) for line in out.splitlines()), out[-2000:]
+    assert not (tmp_path / "wd/data").exists() and not (tmp_path / "wd/traces").exists()
+
+
+def test_the_embedded_default_passes_every_check(tmp_path):
+    cfg = validate_config(toy_config(str(ROOT / "toy/target")))
+    assert check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path) == []
+
+
+def test_stream_mode_is_the_fix_for_files_mode_beyond_the_disk(tmp_path):
+    cfg = validate_config(toy_config(str(ROOT / "toy/target"), plan={"hidden_size": 10**6}, hidden={"mode": "stream"}))
+    assert check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path) == []
+
+
+def test_a_target_not_here_skips_its_checks_and_the_plan_says_so(tmp_path):
+    cfg = validate_config(toy_config("Org/Absent", server={"max_model_len": None}, draft={"vocab_size": 10**6}))
+    plan = make_plan(cfg, tmp_path, has_gpu=False)
+    plan.skipped = check_config(cfg, plan, tmp_path)
+    text = format_plan(plan)
+    assert "skipped check: aux layer ids, draft vocabulary and tensor_parallel_size not checked" in text
+    assert "hf download Org/Absent config.json" in text and "server.max_model_len is null" in text
+
+
+def test_a_relative_target_and_dataset_are_read_from_the_working_directory(tmp_path):
+    (tmp_path / "toy").symlink_to(ROOT / "toy")
+    cfg = validate_config(yaml.safe_load((ROOT / "config.yaml").read_text()))  # toy/target, toy/prompts.jsonl
+    assert check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path) == []
+    bad = validate_config({**cfg, "draft": {**cfg["draft"], "vocab_size": 200}})
+    with pytest.raises(ConfigError, match="draft.vocab_size 200"):
+        check_config(bad, make_plan(bad, tmp_path, has_gpu=False), tmp_path)
