@@ -126,7 +126,7 @@ def main():
             f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved["freeze_lm_head"])
             kind = f"config overrides {json.dumps(overrides)}" if overrides else "default config"
             r = dict(impl=f"eaglenest train_draft e2e ({kind}: " + ", ".join(
-                         f"{k}={resolved[k]}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head")) + ")",
+                         f"{k}={resolved[k]}" for k in (*AUTO_KEYS, "bf16_weights", "fp8", "freeze_lm_head")) + ")",
                      size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),
                      peak_gib=round(max(float(r["peak_gib"]) for r in after), 2) if "peak_gib" in rows[0] else None,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything issue 12 measures, in ONE device call (about 10 minutes on an H200, cold):
 #   a correctness check of train_draft's CUDA path (fails fast), train_draft end to end at
-#   Llama-3.1-8B and Kimi-K2.5 sizes (TTT 7), the peer (speculators) at both, extraction with its
+#   Llama-3.1-8B and Kimi-K2.5 sizes (TTT 7; the default, FP8 products on Hopper, and Kimi again with
+#   fp8 off), the peer (speculators) at both, extraction with its
 #   forward ceiling, the step-only bench, then a summary table with the ratios to the peer.
 # Each part has its own timeout, cut to what is left of GPU_ALL_BUDGET seconds (default 540), so a
 # hang costs one part, not the call. Logs and results go to $OUT (default ./gpu_out).
@@ -73,6 +74,8 @@ part e2e_llama8b 170 $PY benchmarks/bench_train_e2e.py --sizes llama8b --out "$O
 # 3. the peer, same call
 run_peer
 part e2e_kimi 200 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT" "${SMALL[@]}"
+# the default above is FP8 products where the GPU has them (train.fp8: auto): the same run in bf16
+part e2e_kimi_bf16 150 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT/bf16" --config '{"fp8": false}' "${SMALL[@]}"
 # 4. extraction end to end (shard written) and its forward ceiling in the same process
 part extract 120 $PY benchmarks/bench_extract.py --seqs 64 --out "${TMPDIR:-/tmp}" "${SMALL[@]}"
 # 5. the step alone on GPU-resident tensors, the path train_draft picks by default

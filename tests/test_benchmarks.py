@@ -25,3 +25,15 @@ def test_benchmark_runs_at_tiny_sizes(args, tmp_path):
     assert summary, out.stdout[-2000:]
     rows = json.loads(summary[-1][len("SUMMARY "):])
     assert rows and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_fp8_accuracy_runs_at_tiny_sizes_with_emulated_fp8(tmp_path):
+    pytest.importorskip("torchao.float8")  # not in the CPU lock: the GPU call carries it as a wheel
+    args = ["benchmarks/fp8_accuracy.py", "--emulate", "--steps", "4", "--seqs", "16", "--ttt", "2", "--out", str(tmp_path)]
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]), "TMPDIR": str(tmp_path)})
+    summary = [line for line in out.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert summary, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(summary[-1][len("SUMMARY "):])
+    assert [r["position"] for r in result["acc"]] == [0, 1] and result["data"]["sequences"] > 0
+    assert json.loads((tmp_path / "fp8_accuracy.json").read_text())["curve"][-1][0] == 4

@@ -30,6 +30,7 @@ from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .fp8 import convert_to_fp8, resolve_fp8
 from .metrics import Metrics, write_metrics
 from .model import Eagle3Draft, Runtime
 from .optim import MasterAdamW, clip_and_step
@@ -39,11 +40,12 @@ AUTO_KEYS = ("attention", "compile", "recompute", "fused_loss", "split_step_grad
 FLEX_ONLY = ("split_step_grads", "diag_split")  # AUTO_KEYS that only the flex path has
 
 
-def resolve_runtime(cfg, device):
+def resolve_runtime(cfg, device, capability=None):
     """``cfg`` with the "auto" entries of AUTO_KEYS made concrete for ``device`` ("cuda..."/"cpu").
 
     On CUDA: flex attention, compiled, fused loss, bf16 weights (fp32 masters), recomputed only with
-    a trained lm_head. Elsewhere: the dense mask and none of the rest. An explicit choice the device cannot run raises (no silent fallback to a slow path)."""
+    a trained lm_head, FP8 products where the GPU has them (``fp8.resolve_fp8``; ``capability``: the
+    GPU's, default the device's own). Elsewhere: the dense mask and none of the rest. An explicit choice the device cannot run raises (no silent fallback to a slow path)."""
     cuda = str(device).startswith("cuda")
     out = dict(cfg)
     if out["attention"] == "auto":
@@ -64,6 +66,7 @@ def resolve_runtime(cfg, device):
             out[key] = cuda and out["attention"] == "flex"
     if out["skip_unscored"] == "auto":
         out["skip_unscored"] = bool(out["diag_split"])
+    out["fp8"] = resolve_fp8(out["fp8"], device, capability)
     if out["attention"] not in ("sdpa", "flex"):
         raise ValueError(f"train.attention must be auto, sdpa or flex, got {out['attention']!r}")
     for key in ("compile", "recompute", "fused_loss", "bf16_weights", *FLEX_ONLY, "skip_unscored"):
@@ -319,6 +322,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     if cfg["freeze_lm_head"]:
         model.lm_head.weight.requires_grad_(False)
     model.to(device)
+    if cfg["fp8"]:  # before the step compiles; the weights stay the same bf16 parameters
+        convert_to_fp8(model)
     draft_ids = model.draft_ids()
     target = (target_head_rows(head, shards, draft_ids, info, device, rank), draft_ids, model.t2d)
     del head
@@ -342,7 +347,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
-           f"{cfg['bf16_weights']}, step grads split {model.runtime.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+           f"{cfg['bf16_weights']}, fp8 products {cfg['fp8']}, step grads split {model.runtime.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)
