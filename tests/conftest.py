@@ -37,7 +37,9 @@ BASE_CONFIG = {
     "server": {"mode": "local", "model": str(TOY_TARGET), "served_model_name": "toy", "max_model_len": 512,
                "reasoning_parser": "deepseek_r1", "kv_cache_gb": 1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600,
                "extra_args": TEST_SERVER_ARGS},
-    "draft": {"aux_layers": [1, 2, 3]},
+    # The toy's whole vocabulary, and sequences no longer than the servers hold (both checked before any job).
+    "draft": {"aux_layers": [1, 2, 3], "vocab_size": 105},
+    "hidden": {"max_length": 512},
     "generation": {"max_tokens": 256, "concurrency": 16, "request_timeout": 300, "max_retries": 3},
 }
 
