@@ -549,8 +549,7 @@ def transformers_backend_run(vllm_backend_run, tmp_path_factory):
     (copied: only the hidden states differ), up to draft/checkpoint; starts no server: (wd, cfg)."""
     wd_v, cfg_v = vllm_backend_run
     wd = tmp_path_factory.mktemp("transformers_backend")
-    cfg = write_config(wd, **{**VLLM_BACKEND_RUN, "server": {"port": cfg_v["server"]["port"]},
-                              "hidden": {"backend": "transformers", "dtype": "float32"}})
+    cfg = write_config(wd, **{**VLLM_BACKEND_RUN, "hidden": {"backend": "transformers", "dtype": "float32"}})
     copy_traces(wd_v, wd)
     out = run_snakemake(wd, "draft/checkpoint", timeout=1200)
     assert "generate_traces" not in rules_run(out), "the copied traces were used as they are"

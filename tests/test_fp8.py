@@ -13,8 +13,8 @@ V, VD, H = 64, 32, 32
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
-def test_fp8_is_off_on_cpu_and_on_gpus_without_fp8_and_on_by_default_on_hopper_with_torchao():
-    assert resolve_config({})["fp8"] == "auto"
+def test_fp8_is_off_by_default_and_auto_takes_it_only_on_gpus_with_fp8_and_torchao():
+    assert resolve_config({})["fp8"] is False
     assert fp8.resolve_fp8("auto", "cpu") is False
     assert train.resolve_runtime(resolve_config({}), "cpu")["fp8"] is False
     assert fp8.resolve_fp8("auto", "cuda:0", capability=AMPERE, has_torchao=True) is False
