@@ -12,7 +12,6 @@ from pathlib import Path
 
 from .data.prompts import looks_local
 from .errors import ConfigError
-from .plan import Plan, human_bytes
 from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
 
@@ -99,19 +98,10 @@ def check_datasets(config: dict, workdir: Path) -> list[str]:
     return errors
 
 
-def check_disk(plan: Plan) -> str | None:
-    """The plan's verdict binds: files mode whose shards cannot fit the free disk stops here."""
-    if plan.mode == "files" and plan.files_bytes is not None and plan.free_bytes is not None \
-            and plan.files_bytes > plan.free_bytes:
-        return (f"hidden.mode files: the shards need up to {human_bytes(plan.files_bytes)} and "
-                f"the working directory's disk has {human_bytes(plan.free_bytes)} free; set hidden.mode: stream (at most hidden.max_disk_gb "
-                "on disk at once), or lower dataset.limit or hidden.max_length")
-    return None
-
-
-def check_config(config: dict, plan: Plan, workdir: str | Path = ".") -> list[str]:
+def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
     """Run every check of a resolved config; raise ConfigError with one line per failure, else return
-    the notes of the checks skipped (the plan prints them)."""
+    the notes of the checks skipped (the plan prints them). ``plan``: eaglenest.plan's Plan of this config
+    (its disk verdict, ``disk_refusal``; the plan imports this module, not the other way round)."""
     workdir = Path(workdir)
     errors, skipped = [], []
     model = config["hidden"]["target"] or config["server"]["model"]
@@ -131,7 +121,7 @@ def check_config(config: dict, plan: Plan, workdir: str | Path = ".") -> list[st
     errors += check_datasets(config, workdir)
     if plan.mode == "files" and plan.files_bytes is None:
         skipped.append("files mode's disk not checked: the target's hidden size is unknown (set plan.hidden_size)")
-    errors += [e for e in (check_disk(plan),) if e]
+    errors += [e for e in (plan.disk_refusal(),) if e]
     if errors:
         raise ConfigError("\n".join(errors))
     return skipped

@@ -112,6 +112,15 @@ class Plan:
     measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
     skipped: list = field(default_factory=list)  # checks.check_config's notes: checks it could not run
 
+    def disk_refusal(self) -> str | None:
+        """The plan's verdict binds: files mode whose shards cannot fit the free disk (checks.check_config stops there)."""
+        if self.mode == "files" and self.files_bytes is not None and self.free_bytes is not None \
+                and self.files_bytes > self.free_bytes:
+            return (f"hidden.mode files: the shards need up to {human_bytes(self.files_bytes)} and "
+                    f"the working directory's disk has {human_bytes(self.free_bytes)} free; set hidden.mode: stream (at most "
+                    "hidden.max_disk_gb on disk at once), or lower dataset.limit or hidden.max_length")
+        return None
+
     @property
     def suggest_stream(self) -> bool:
         big = self.files_bytes is not None and (self.files_bytes >= SUGGEST_STREAM_BYTES or
