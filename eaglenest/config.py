@@ -76,7 +76,9 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
             else:
                 lines.append(f"{_key_path(e)}: {e.message}")
         raise ConfigError(f"{source} is not valid ({SCHEMA_PATH.name}):\n  " + "\n  ".join(lines))
-    return config
+    from .packaged import resolve_config  # pkg:<module>/<file> names -> the installed files' paths
+
+    return resolve_config(config)
 
 
 def write_resolved_config(config: dict, path: str | Path, sources=()) -> None:

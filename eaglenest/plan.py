@@ -135,6 +135,9 @@ def training_prompts(config: dict, workdir: Path) -> tuple[int | None, str]:
     stats = workdir / "data" / "prompts" / "stats.json"
     if stats.is_file():
         return json.loads(stats.read_text())["train"], str(stats)
+    if d["generate"]["questions"]:
+        n = max(0, d["generate"]["questions"] - d["heldout"])
+        return (min(n, d["limit"]) if d["limit"] else n), "dataset.generate.questions less the held-out, at most"
     rows = dataset_rows(d["path"])
     if rows is not None:
         n = max(0, rows - d["heldout"])

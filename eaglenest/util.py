@@ -74,6 +74,26 @@ def write_atomic(path: str | Path, data, *, indent: int | None = 2) -> None:
         tmp.write_bytes(data)
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | Path):
+    """Yield a temporary directory beside ``path``; when the block ends without error it replaces
+    ``path`` (an old one is removed first). On error the temporary directory is removed."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def open_locked(path: str | Path, busy_error: Exception) -> int:
     """Open (creating) ``path`` read-write and take its exclusive flock without waiting; raises
     ``busy_error`` when another process holds it. The kernel drops the lock when the holder exits

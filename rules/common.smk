@@ -23,6 +23,8 @@ from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_part
 from eaglenest.data.traces import ANSWER_SETTINGS
 from eaglenest.plan import format_plan, make_plan, stage_gpus
 from eaglenest.checks import check_config
+from eaglenest.gguf import converted_dir, is_gguf
+from eaglenest.data.prompts import QUESTIONS_FILE, dataset_path
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
@@ -35,6 +37,16 @@ if workflow.is_main_process:  # not in the jobs Snakemake re-runs this file for 
     # Written on every run, dry-runs included: what the run uses, schema defaults filled in.
     write_resolved_config(config, RESOLVED_CONFIG, CONFIG_SOURCES)
     logger.info(f"eaglenest: config from {' + '.join(CONFIG_SOURCES)} + schema defaults; resolved in {RESOLVED_CONFIG}")
+
+# server.model (or hidden.target) a GGUF file: rule convert_target writes its Hugging Face directory under
+# models/, and everything that serves or reads the target uses that directory from here on.
+GGUF_SOURCES = {}
+for _section, _key in (("server", "model"), ("hidden", "target")):
+    if is_gguf(config[_section][_key]):
+        GGUF_SOURCES[converted_dir(config[_section][_key])] = config[_section][_key]
+        config[_section][_key] = converted_dir(config[_section][_key])
+if GGUF_SOURCES and workflow.is_main_process:
+    logger.info("eaglenest: " + "; ".join(f"{src} is converted to {d} (rule convert_target)" for d, src in GGUF_SOURCES.items()))
 
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
@@ -143,9 +155,16 @@ def answer_settings():
 
 
 def dataset_files(wildcards):
-    """A local dataset is an input, so editing it reruns prepare_prompts; a hub name is not a file."""
-    path = config["dataset"]["path"]
-    return [path] if os.path.exists(path) else []
+    """A local dataset is an input, so editing it reruns prepare_prompts; a hub name is not a file. With
+    dataset.generate, the questions the target writes (rule write_questions)."""
+    path = dataset_path(config)
+    return [path] if path == QUESTIONS_FILE or os.path.exists(path) else []
+
+
+def target_files():
+    """The converted target's directory (rule convert_target) where server.model or hidden.target is a GGUF
+    file: an input of every rule that serves or reads the target."""
+    return sorted(GGUF_SOURCES)
 
 
 def evalset_files():

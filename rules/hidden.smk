@@ -1,5 +1,7 @@
 rule save_target_head:
     """What training needs of the target's head (embeddings, final norm, lm_head), saved once."""
+    input:
+        target_files(),
     output:
         "hidden/target_head.safetensors",
     params:
@@ -88,6 +90,7 @@ else:
             traces="traces/shard_{i}.jsonl",
             # The generation server has released the GPUs before the target is loaded here.
             server_stopped="server.stopped",
+            target=target_files(),
         output:
             hidden_output("hidden/shard_{i}.safetensors"),
         params:

@@ -7,7 +7,10 @@ rule prepare_prompts:
         stats="data/prompts/stats.json",
     params:
         # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun.
-        dataset={k: v for k, v in config["dataset"].items() if k != "cache_dir"},
+        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun; generate makes
+        # data/questions.jsonl, this rule's input (write_questions below reruns on its changes).
+        path=dataset_path(config),
+        dataset={k: v for k, v in config["dataset"].items() if k not in ("cache_dir", "generate")},
         shards=config["shards"],
     conda:
         "../envs/eaglenest.yaml"
@@ -15,3 +18,25 @@ rule prepare_prompts:
         "logs/prepare_prompts.log",
     script:
         "../scripts/prepare_prompts.py"
+
+
+rule write_questions:
+    """dataset.generate: the target writes its own training questions (eaglenest.data.questions), on the trace
+    server; none of them is a question of the evaluation sets."""
+    input:
+        ready="server.ready",
+        evalsets=evalset_files(),
+    output:
+        QUESTIONS_FILE,
+    params:
+        generate=config["dataset"]["generate"],
+        model=SERVER.model_id,
+        evalsets=config["validate"]["datasets"],
+    resources:
+        generation_slots=1,
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/write_questions.log",
+    script:
+        "../scripts/write_questions.py"

@@ -8,6 +8,8 @@ localrules:
 
 
 rule server_ready:
+    input:
+        target_files(),
     output:
         temp("server.ready"),
     params:

@@ -7,6 +7,7 @@ rule validate_draft:
         heldout="data/prompts/heldout.jsonl",
         evalsets=evalset_files(),
         metrics="draft/train_metrics.csv",
+        target=target_files(),
     output:
         json=report("reports/validation.json", caption="../report/validation.rst", category="Validation"),
         csv="reports/validation.csv",

@@ -13,6 +13,8 @@ from eaglenest.plan import format_plan, main, make_plan, shard_bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+# The presets that read a hub dataset up to dataset.limit (the others have the target write its questions).
+LIMITED = [p for p in PRESETS if (yaml.safe_load(p.read_text())["dataset"] or {}).get("limit")]
 
 
 def preset(name: str) -> dict:
@@ -25,7 +27,7 @@ def changed(config: dict, section: str, key: str, value) -> dict:
     return config
 
 
-@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LIMITED, ids=lambda p: p.name)
 def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
     config = validate_config(yaml.safe_load(path.read_text()))
     base = make_plan(config, tmp_path, has_gpu=True)
@@ -43,6 +45,15 @@ def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
     # a sequence is then at most the prompt (dataset.max_prompt_chars) plus 100 tokens, within hidden.max_length
     assert short.sequence_tokens == min(base.sequence_tokens, config["dataset"]["max_prompt_chars"] + 100)
     assert f"{short.generated_tokens:,} generated" in format_plan(short)
+
+
+def test_questions_the_target_writes_count_as_the_prompts_less_the_held_out(tmp_path):
+    config = preset("smollm2-135m.yaml")
+    plan = make_plan(config, tmp_path, has_gpu=False)
+    assert plan.prompts == 2000 - config["dataset"]["heldout"] and "dataset.generate.questions" in plan.prompts_source
+    assert make_plan(changed(config, "dataset", "limit", 500), tmp_path, has_gpu=False).prompts == 500
+    # the target's hidden size from the plan, until the conversion writes its config.json
+    assert plan.files_bytes == plan.state_tokens * (8 * 576 + 13)
 
 
 def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_path):

@@ -172,6 +172,8 @@ BAD = [
     ({"conversations": {"from": "human", "value": "q"}}, "malformed"),
     ({"conversations": ["human: q"]}, "malformed"),
     ({"conversations": [[U]]}, "malformed"),                                  # nested list
+    ({"turns": [{"from": "gpt", "value": "an answer first"}, "q"]}, "malformed"),  # MT-Bench shape, a turn not a user's
+    ({"turns": ["  "]}, "empty"),
     ({"conversations": [None, U]}, "malformed"),
     ({"conversations": [{"from": "human"}]}, "malformed"),                    # no value
     ({"conversations": [{"value": "q"}]}, "malformed"),                       # no from

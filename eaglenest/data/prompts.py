@@ -31,6 +31,15 @@ from ..config import defaults
 from ..errors import PromptsError, RowError, TracesError
 from ..util import progress_bar, say, write_atomic
 
+# Where dataset.generate writes the target's own questions (eaglenest.data.questions); prepare_prompts reads them.
+QUESTIONS_FILE = "data/questions.jsonl"
+
+
+def dataset_path(config: dict) -> str:
+    """The dataset prepare_prompts reads: the target's own questions when dataset.generate asks for them."""
+    return QUESTIONS_FILE if config["dataset"]["generate"]["questions"] else config["dataset"]["path"]
+
+
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")
 
@@ -39,6 +48,7 @@ COLUMNS = (
     ("conversations", "turns"),  # ShareGPT / open-perfectblend: [{"from", "value"}]
     ("conversation", "turns"),   # lmsys-chat style: same turns under a singular name
     ("messages", "turns"),       # OpenAI style: [{"role", "content"}]
+    ("turns", "turns"),          # MT-Bench: the user's turns as plain strings
     ("prompt", "text"),
     ("question", "text"),
     ("instruction", "text"),     # Alpaca: an `input` column, when filled, is appended
@@ -98,6 +108,8 @@ def _from_turns(turns, column: str, keep_system: bool) -> list[dict]:
         raise RowError("malformed", f"{column} is a {type(turns).__name__}, not a list of turns")
     system, question = [], None
     for i, turn in enumerate(turns):
+        if isinstance(turn, str) and column == "turns":
+            turn = {"role": "user", "content": turn}  # MT-Bench's turns: what the user says, in order
         if not isinstance(turn, dict):
             raise RowError("malformed", f"{column}[{i}] is a {type(turn).__name__}, not an object")
         # ShareGPT spells a turn {from, value}, OpenAI {role, content}; accept either in either column.
