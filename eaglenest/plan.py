@@ -80,16 +80,16 @@ def dataset_rows(path: str) -> int | None:
 
 
 def target_hidden_size(config: dict) -> tuple[int | None, str]:
-    """The target's hidden size and where it was read: `plan.hidden_size`, else the target's config.json
-    (a local directory or the Hugging Face cache)."""
-    if config["plan"]["hidden_size"]:
-        return config["plan"]["hidden_size"], "plan.hidden_size"
+    """The target's hidden size and where it was read: the target's config.json (a local directory or the
+    Hugging Face cache) or GGUF metadata, else `plan.hidden_size` (a stand-in until the target's is here)."""
     from .states.target import target_config
 
     model = config["hidden"]["target"] or config["server"]["model"]
     cfg = target_config(model) or {}
     h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
-    return h, f"{model}'s config.json"
+    if h:  # the target's own figure wins over the config's stand-in
+        return h, f"{model}'s {'GGUF metadata' if model.lower().endswith('.gguf') else 'config.json'}"
+    return config["plan"]["hidden_size"], "plan.hidden_size"
 
 
 @dataclass

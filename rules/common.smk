@@ -48,6 +48,18 @@ for _section, _key in (("server", "model"), ("hidden", "target")):
 if GGUF_SOURCES and workflow.is_main_process:
     logger.info("eaglenest: " + "; ".join(f"{src} is converted to {d} (rule convert_target)" for d, src in GGUF_SOURCES.items()))
 
+
+def facts_config():
+    """The config the checks and the plan read the target's facts through: a GGUF target's file (its
+    metadata) until rule convert_target has written the directory's config.json."""
+    view = {**config, "server": dict(config["server"]), "hidden": dict(config["hidden"])}
+    for section, key in (("server", "model"), ("hidden", "target")):
+        d = view[section][key]
+        if d in GGUF_SOURCES and not os.path.isfile(os.path.join(d, "config.json")):
+            view[section][key] = GGUF_SOURCES[d]
+    return view
+
+
 SHARDS = list(range(config["shards"]))
 SERVER = ServerConfig.from_dict(config["server"])
 SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
@@ -65,7 +77,7 @@ STREAM_KEYS = ("mode", "max_disk_gb", "cache", "stream_ahead", "placement", "sta
 if VLLM_HIDDEN and workflow.is_main_process:
     # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
     try:
-        logger.info(f"eaglenest: {preflight_logits_memory(config['server'], config['hidden'])}")
+        logger.info(f"eaglenest: {preflight_logits_memory(facts_config()['server'], config['hidden'])}")
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
 if STREAM and not VLLM_HIDDEN:
@@ -104,9 +116,9 @@ def gpu_resources(section):
 if workflow.is_main_process:
     # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size, and
     # the config checked against the target's config.json and the disk (eaglenest.checks).
-    PLAN = make_plan(config, has_gpu=HAS_GPU)
+    PLAN = make_plan(facts_config(), has_gpu=HAS_GPU)
     try:
-        PLAN.skipped = check_config(config, PLAN)
+        PLAN.skipped = check_config(facts_config(), PLAN)
     except ConfigError as e:
         logger.info(f"eaglenest: {format_plan(PLAN)}")
         raise WorkflowError(f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config): {e}") from None

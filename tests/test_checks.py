@@ -59,7 +59,8 @@ CASES = [
      {"server": {"tensor_parallel_size": 4}}, ["server.tensor_parallel_size 4", "6 attention heads"]),
     ("missing_local_dataset", {}, {"dataset": {"path": "/nonexistent/prompts.jsonl"}},
      ["dataset.path /nonexistent/prompts.jsonl", "no such file", "Hugging Face dataset name"]),
-    ("files_mode_beyond_the_disk", {}, {"plan": {"hidden_size": 10**6}, "hidden": {"mode": "files"}},
+    # the target's own hidden size sizes the shards (plan.hidden_size only stands in for a config.json not here)
+    ("files_mode_beyond_the_disk", {"hidden_size": 10**6}, {"plan": {"hidden_size": 8}, "hidden": {"mode": "files"}},
      ["hidden.mode files", "TB", "set hidden.mode: stream"]),
 ]
 

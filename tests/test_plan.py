@@ -103,3 +103,15 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
                                                        "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
     main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
     assert "the rest about 1.0 min" in capsys.readouterr().out
+
+
+def test_the_targets_own_hidden_size_wins_over_plan_hidden_size(tmp_path):
+    from eaglenest.plan import target_hidden_size
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30}))
+    config = validate_config({"server": {"model": str(target)}, "plan": {"hidden_size": 4096}})
+    assert target_hidden_size(config) == (576, f"{target}'s config.json")
+    config["server"]["model"] = str(tmp_path / "not-here")  # no config.json: the stand-in
+    assert target_hidden_size(config) == (4096, "plan.hidden_size")

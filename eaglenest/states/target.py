@@ -278,7 +278,11 @@ def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]
 
 def target_config(model: str) -> dict | None:
     """The target's config.json: a local directory, else the Hugging Face cache ($HF_HOME /
-    $HF_HUB_CACHE; nothing is downloaded); None when neither has it."""
+    $HF_HUB_CACHE; nothing is downloaded), or a GGUF file's metadata; None when none has it."""
+    if str(model).lower().endswith(".gguf") and Path(model).is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(Path(model).parent, gguf_file=Path(model).name).to_dict()
     path = Path(model) / "config.json"
     if not path.is_file():
         from huggingface_hub import try_to_load_from_cache
