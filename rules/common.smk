@@ -213,6 +213,22 @@ def after_training():
     return ["hidden_server.stopped"] if STREAM else []
 
 
+def refuse_local_server_on_a_cluster(executor_plugin):
+    """Before the first job: a cluster executor (the SLURM profile) with server.mode local would run vLLM where
+    Snakemake runs (a login node, on its CPU) and send the GPU rules to the cluster; refused, naming the preset
+    that runs the servers as SLURM jobs."""
+    name = getattr(executor_plugin, "name", "local")
+    if name in ("local", "dryrun", "touch") or SERVER.mode != "local":
+        return
+    sources = [s for s in CONFIG_SOURCES if s.endswith(".yaml") and not s.endswith(".slurm.yaml")]
+    sibling = next((s[: -len(".yaml")] + ".slurm.yaml" for s in sources if os.path.exists(s[: -len(".yaml")] + ".slurm.yaml")), None)
+    raise WorkflowError(
+        f"server.mode: local under the {name} executor would start vLLM on this machine ({os.uname().nodename}) while "
+        f"the rules' jobs go to the cluster: run " + (f"--configfile {sibling}" if sibling else
+        "with server.mode: slurm (and server.slurm's partition, GPUs and time)") + ", or drop the cluster "
+        "profile to run everything on this machine")
+
+
 def stop_server_on_exit(why):
     """The servers never outlive the workflow by accident (unless server.keep_server is set)."""
     for log_dir in (SERVER_LOG_DIR, HIDDEN_SERVER_LOG_DIR):

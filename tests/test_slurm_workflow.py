@@ -156,3 +156,18 @@ def test_a_failed_workflow_cancels_the_server_job(kept_server):
     server_gone(port, timeout=60)  # no vLLM process left on the node, the port free
     assert not (wd / "logs/server/slurm.job.json").exists() and not (wd / "server.ready").exists()
     print(f"failed run, server job {job_id} cancelled: {seconds:.0f} s")
+
+
+def test_the_slurm_profile_refuses_a_local_server_naming_the_slurm_preset(tmp_path, cluster):
+    """A preset whose server runs locally, under the SLURM profile: vLLM would start on this (login) node while
+    the rules go to the cluster. Refused before any job, naming the preset's .slurm sibling."""
+    wd = tmp_path / "local_server"
+    cfg = write_config(wd)  # server.mode: local
+    (wd / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    (wd / "mine.slurm.yaml").write_text(yaml.safe_dump({**cfg, "server": {**cfg["server"], "mode": "slurm"}}))
+    out = run_snakemake(wd, "--configfile", str(wd / "mine.yaml"), "--profile", str(ROOT / "profiles/slurm"),
+                        check=False, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-2000:]
+    assert "server.mode: local under the slurm executor" in text and f"--configfile {wd / 'mine.slurm.yaml'}" in text
+    assert "SLURM jobid" not in text and not (wd / "logs/server").exists(), "a job or a server started"
