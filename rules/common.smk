@@ -127,9 +127,11 @@ if workflow.is_main_process:
 
 if SERVER.mode == "slurm":
     try:
-        check_gpu_partition(SLURM, server_gpus(SERVER, SLURM) + gpus("train") + gpus("validate"))
+        partition_note = check_gpu_partition(SLURM, server_gpus(SERVER, SLURM) + gpus("train") + gpus("validate"))
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
+    if partition_note and workflow.is_main_process:
+        logger.info(f"eaglenest: {partition_note}")
 
 
 # The draft directory of each export format (export.format: vllm, speculators or both).

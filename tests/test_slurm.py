@@ -275,3 +275,21 @@ def test_profile_sends_rules_through_slurm(tmp_path, cluster):
     lines = (tmp_path / "b.txt").read_text().split()
     assert lines[0].startswith("job=") and lines[0] != "job=" and "cpus=2" in lines
     assert lines[-1].startswith("job=") and lines[-1] != lines[0]
+
+
+def test_the_gpu_partition_is_checked_with_sinfo_and_an_unset_one_names_the_default(slurm_cluster, monkeypatch):
+    from eaglenest.errors import ConfigError
+    from eaglenest.serving.slurm import check_gpu_partition, cluster_partitions
+
+    monkeypatch.delenv("SBATCH_PARTITION", raising=False)
+    monkeypatch.delenv("EAGLENEST_GPU_PARTITION", raising=False)
+    partitions, default = cluster_partitions()
+    real = slurm_command(["sinfo", "--noheader", "--format=%P"]).stdout.split()
+    assert partitions == [p.rstrip("*") for p in real] and default in partitions
+    with pytest.raises(ConfigError) as e:
+        check_gpu_partition(SlurmSettings(partition="no-such-partition"), gpus=1)
+    assert "'no-such-partition'" in str(e.value) and "server.slurm.partition" in str(e.value) and default in str(e.value)
+    assert f"partition {default} (server.slurm.partition, listed by sinfo)" in check_gpu_partition(
+        SlurmSettings(partition=default), gpus=1)
+    assert f"the cluster's default partition, {default} (sinfo)" in check_gpu_partition(SlurmSettings(), gpus=1)
+    assert check_gpu_partition(SlurmSettings(partition="no-such-partition"), gpus=0) is None  # no GPU job, no check

@@ -74,13 +74,42 @@ def gpu_partition(settings: SlurmSettings) -> str | None:
     return settings.partition or os.environ.get("EAGLENEST_GPU_PARTITION") or None
 
 
-def check_gpu_partition(settings: SlurmSettings, gpus: int) -> None:
-    """Refuse (ConfigError) GPU jobs without a GPU partition where $SBATCH_PARTITION is set: sbatch would
-    queue them there, and on a login node it usually names a CPU partition."""
-    if gpus and gpu_partition(settings) is None and os.environ.get("SBATCH_PARTITION"):
+def cluster_partitions() -> tuple[list[str], str | None] | None:
+    """(partitions, the default one) as ``sinfo`` lists them, or None where SLURM cannot be asked from here."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=15)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    if out.returncode != 0:
+        return None
+    names = [n.strip() for n in out.stdout.split() if n.strip()]
+    return [n.rstrip("*") for n in names], next((n.rstrip("*") for n in names if n.endswith("*")), None)
+
+
+def check_gpu_partition(settings: SlurmSettings, gpus: int) -> str | None:
+    """Where the GPU jobs go, checked before any job. Refuses (ConfigError) a GPU partition ``sinfo`` does
+    not list, and GPU jobs without a GPU partition where $SBATCH_PARTITION is set (sbatch would queue them
+    there, and on a login node it usually names a CPU partition). Returns a line for the log: the partition,
+    or, with none set, that the cluster's default takes them."""
+    if not gpus:
+        return None
+    partition, listed = gpu_partition(settings), cluster_partitions()
+    key = "server.slurm.partition" if settings.partition else "$EAGLENEST_GPU_PARTITION"
+    if partition is not None:
+        if listed is not None and partition not in listed[0]:
+            raise ConfigError(f"{key} is {partition!r}, which is not a partition of this cluster (sinfo lists "
+                              f"{', '.join(listed[0]) or 'none'}); set it to the partition of your GPU nodes")
+        return f"GPU jobs go to partition {partition} ({key}{', listed by sinfo' if listed else ''})"
+    if os.environ.get("SBATCH_PARTITION"):
         raise ConfigError(f"server.mode is slurm and no GPU partition is set: the GPU jobs would go to "
                           f"$SBATCH_PARTITION ({os.environ['SBATCH_PARTITION']}). Set server.slurm.partition (or "
                           f"$EAGLENEST_GPU_PARTITION) to the partition of your GPU nodes")
+    default = f"the cluster's default partition, {listed[1]} (sinfo)" if listed and listed[1] else \
+        "the cluster's default partition"
+    return (f"no GPU partition set (server.slurm.partition, $EAGLENEST_GPU_PARTITION): GPU jobs go to {default}; "
+            f"set one if that is not where your GPU nodes are")
 
 
 def server_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:
