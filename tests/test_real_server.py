@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BASE_CONFIG, run_snakemake, write_config
+from transformers import AutoTokenizer
+
+from conftest import BASE_CONFIG, TOY_TARGET, read_lines, run_snakemake, write_config
+from eaglenest.data.questions import write_questions
 from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
@@ -79,3 +82,33 @@ def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(toy_server, tmp
     assert not out.exists()
     errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
     assert errors and all(e["status"] == 400 for e in errors)
+
+
+def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_left(toy_server, tmp_path):
+    cfg, _ = toy_server
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    out = tmp_path / "questions.jsonl"
+    # A crash left two answers and a cut line: the planted answer is kept as it is, the cut line asked again.
+    planted = "what is the planted question left by the crash?"
+    out.with_name(out.name + ".partial").write_text(
+        json.dumps({"i": 0, "text": planted, "finish_reason": "stop"}) + "\n"
+        + json.dumps({"i": 1, "text": "cut at max_tokens", "finish_reason": "length"}) + "\n" + '{"i": 2, "te')
+    settings = dict(url=f"http://127.0.0.1:{cfg.port}", model=cfg.model_id, tokenizer=tok, max_tokens=48,
+                    min_chars=4, concurrency=8, progress=False)
+    stats = write_questions(out, questions=12, exclude=["What is the PLANTED question  left by the crash?"],
+                            **settings)
+    rows = read_lines(out)
+    texts = [r["messages"][0]["content"] for r in rows]
+    assert len(rows) == stats["questions"] == 12, stats
+    assert planted not in texts and stats["dropped"]["in_eval_set"] == 1, "an evaluation question became training data"
+    assert stats["dropped"]["cut"] >= 1
+    assert len({" ".join(t.lower().split()) for t in texts}) == 12
+    assert all(r["messages"][0]["role"] == "user" and r["source"] == "target" and t.strip() == t
+               for r, t in zip(rows, texts))
+    assert not out.with_name(out.name + ".partial").exists()
+    assert json.loads(out.with_name("questions.stats.json").read_text()) == stats
+    # Without the exclusion the planted answer is a question, and the seeds ask the same again: same set.
+    again = tmp_path / "again.jsonl"
+    again.with_name(again.name + ".partial").write_text(json.dumps({"i": 0, "text": planted, "finish_reason": "stop"}) + "\n")
+    write_questions(again, questions=12, **settings)
+    assert planted in [r["messages"][0]["content"] for r in read_lines(again)]
