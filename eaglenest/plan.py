@@ -131,10 +131,30 @@ class Plan:
 def training_prompts(config: dict, workdir: Path) -> tuple[int | None, str]:
     """How many prompts the traces answer: data/prompts/stats.json once prepare_prompts has run, else
     the local dataset's rows less the held-out ones (capped by dataset.limit), else dataset.limit."""
-    d = config["dataset"]
-    stats = workdir / "data" / "prompts" / "stats.json"
+    stats, other = workdir / "data" / "prompts" / "stats.json", ""
     if stats.is_file():
-        return json.loads(stats.read_text())["train"], str(stats)
+        made = json.loads(stats.read_text())
+        if _same_prompts(made, config):
+            return made["train"], str(stats)
+        other = f"; {stats} is another dataset's or setting's, not used"
+    n, source = _expected_prompts(config)
+    return n, source + other
+
+
+PROMPT_KEYS = ("seed", "limit", "keep_system", "max_prompt_chars")  # what else makes stats.json's counts
+
+
+def _same_prompts(made: dict, config: dict) -> bool:
+    """Whether data/prompts/stats.json was made from this config's dataset and settings."""
+    from .data.prompts import dataset_path
+
+    d, path = config["dataset"], dataset_path(config)
+    return (made.get("path") in (path, str(Path(path).expanduser().resolve()))
+            and all(made.get(k) == d[k] for k in PROMPT_KEYS))
+
+
+def _expected_prompts(config: dict) -> tuple[int | None, str]:
+    d = config["dataset"]
     if d["generate"]["questions"]:
         n = max(0, d["generate"]["questions"] - d["heldout"])
         return (min(n, d["limit"]) if d["limit"] else n), "dataset.generate.questions less the held-out, at most"
@@ -147,13 +167,23 @@ def training_prompts(config: dict, workdir: Path) -> tuple[int | None, str]:
     return None, f"{d['path']} (a hub dataset without dataset.limit: its size is not known before it is read)"
 
 
-def measured_rate(workdir: Path, prompts: int | None) -> dict | None:
+def answers_fingerprint(config: dict) -> str:
+    """The fingerprint trace shards of this config carry: its served model and answer settings."""
+    from .data.traces import fingerprint
+
+    return fingerprint(ServerConfig.from_dict(config["server"]).model_id, config["generation"])
+
+
+def measured_rate(workdir: Path, prompts: int | None, fingerprint: str | None = None) -> dict | None:
     """From the finished trace shards' stats: records done, requests per second over their runs, and
-    the seconds the rest would take at that rate. None before any shard has stats."""
+    the seconds the rest would take at that rate. None before any shard has stats. ``fingerprint``: only
+    shards answered by this target with these answer settings count (eaglenest.data.traces.fingerprint)."""
     done = answered = 0
     wall = 0.0
     for f in sorted((workdir / "traces").glob("shard_*.stats.json")):
         s = json.loads(f.read_text())
+        if fingerprint is not None and s.get("fingerprint") != fingerprint:
+            continue  # another target's or another setting's traces: their rate says nothing of this run
         done += s.get("records", 0)
         answered += s.get("completed", 0)
         wall += s.get("wall_s") or 0.0
@@ -180,7 +210,7 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
                 state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
                 files_bytes=state_tokens * shard_bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
                 stream_bytes=int(h["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
-                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts))
+                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)))
     plan.gpus = stage_plan(config, has_gpu)
     return plan
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from eaglenest.config import validate_config
-from eaglenest.plan import format_plan, main, make_plan, shard_bytes_per_token
+from eaglenest.plan import answers_fingerprint, format_plan, main, make_plan, shard_bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -86,7 +86,8 @@ def test_a_local_dataset_is_counted_and_prepared_prompts_are_read(tmp_path):
     config = validate_config({"dataset": {"path": str(data), "heldout": 5, "limit": None}, "plan": {"hidden_size": 64}})
     assert make_plan(config, tmp_path).prompts == 25
     (tmp_path / "data/prompts").mkdir(parents=True)
-    (tmp_path / "data/prompts/stats.json").write_text(json.dumps({"train": 21}))
+    made = {"train": 21, "path": str(data), "seed": 0, "limit": None, "keep_system": False, "max_prompt_chars": 32000}
+    (tmp_path / "data/prompts/stats.json").write_text(json.dumps(made))
     assert make_plan(config, tmp_path).prompts == 21
 
 
@@ -94,13 +95,16 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
     config = validate_config({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}})
     assert "projected once a trace shard has finished" in format_plan(make_plan(config, tmp_path))
     (tmp_path / "traces").mkdir()
-    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({"records": 300, "completed": 300, "wall_s": 60.0}))
+    shard = {"records": 300, "completed": 300, "wall_s": 60.0}
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(config)}))
     plan = make_plan(config, tmp_path)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
     assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600, "path": str(ROOT / "toy/prompts.jsonl")},
                                                        "server": {"model": str(ROOT / "toy/target")},
                                                        "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
+    mine = validate_config(yaml.safe_load((tmp_path / "cfg.yaml").read_text()))
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(mine)}))
     main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
     assert "the rest about 1.0 min" in capsys.readouterr().out
 
@@ -115,3 +119,25 @@ def test_the_targets_own_hidden_size_wins_over_plan_hidden_size(tmp_path):
     assert target_hidden_size(config) == (576, f"{target}'s config.json")
     config["server"]["model"] = str(tmp_path / "not-here")  # no config.json: the stand-in
     assert target_hidden_size(config) == (4096, "plan.hidden_size")
+
+
+def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path):
+    """After `make run` on the toy, planning Kimi in the same directory: the toy's 600 prompts and its
+    trace rate are not Kimi's."""
+    kimi = preset("kimi-k2.5-int4.yaml")
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    toy_stats = {"path": "toy/prompts.jsonl", "train": 600, "heldout": 40, "seed": 0, "limit": 600,
+                 "keep_system": False, "max_prompt_chars": 32000}
+    (tmp_path / "data/prompts/stats.json").write_text(json.dumps(toy_stats))
+    (tmp_path / "traces").mkdir()
+    shard = {"records": 300, "completed": 300, "wall_s": 17.7, "fingerprint": "0123456789ab"}
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps(shard))
+    plan = make_plan(kimi, tmp_path, has_gpu=True)
+    assert plan.prompts == kimi["dataset"]["limit"] and "another dataset's or setting's" in plan.prompts_source
+    assert plan.measured is None
+    # this config's own: both are read
+    mine = {**toy_stats, "path": kimi["dataset"]["path"], "limit": kimi["dataset"]["limit"], "train": 49000}
+    (tmp_path / "data/prompts/stats.json").write_text(json.dumps(mine))
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(kimi)}))
+    plan = make_plan(kimi, tmp_path, has_gpu=True)
+    assert plan.prompts == 49000 and plan.measured["done"] == 300
