@@ -71,18 +71,35 @@ def check_heads(config: dict, model: str, cfg: dict) -> str | None:
     return None
 
 
-def check_lengths(config: dict) -> list[str]:
-    """Answers and hidden-state sequences within server.max_model_len. The longest prompt is not known
-    before the traces tokenize it, so max_tokens alone must leave room for one."""
-    limit, errors = config["server"]["max_model_len"], []
+def check_context(config: dict, model: str, cfg: dict) -> str | None:
+    """server.max_model_len within the target's context (max_position_embeddings): vLLM refuses more."""
+    context, limit = _text_key(cfg, "max_position_embeddings"), config["server"]["max_model_len"]
+    if context and limit and limit > context:
+        return (f"server.max_model_len {limit:,} is above the {context:,} tokens {model} holds "
+                f"(max_position_embeddings in its config.json), which vLLM refuses; set it to {context} or less")
+    return None
+
+
+def check_lengths(config: dict, cfg: dict | None = None) -> list[str]:
+    """Answers and hidden-state sequences within server.max_model_len (null: the target's own context,
+    max_position_embeddings in ``cfg``, as vLLM takes it). The longest prompt is not known before the
+    traces tokenize it, so max_tokens alone must leave room for one."""
+    limit = config["server"]["max_model_len"]
+    what = f"server.max_model_len {limit:,}" if limit else None
+    if not limit:
+        limit = _text_key(cfg or {}, "max_position_embeddings")
+        what = f"the target's context of {limit:,} tokens (server.max_model_len null: its max_position_embeddings)" \
+            if limit else None
+    errors = []
+    if not limit:
+        return errors
     max_tokens, max_length = config["generation"]["max_tokens"], config["hidden"]["max_length"]
     if max_tokens >= limit:
-        errors.append(f"generation.max_tokens {max_tokens:,} leaves no room for a prompt within server.max_model_len "
-                      f"{limit:,} (prompt + answer); set generation.max_tokens below {limit}, or raise "
-                      "server.max_model_len")
+        errors.append(f"generation.max_tokens {max_tokens:,} leaves no room for a prompt within {what} "
+                      f"(prompt + answer); set generation.max_tokens below {limit}, or raise server.max_model_len")
     if max_length > limit:
-        errors.append(f"hidden.max_length {max_length:,} is above server.max_model_len {limit:,}, the longest "
-                      f"sequence the servers hold; set hidden.max_length to {limit} or less")
+        errors.append(f"hidden.max_length {max_length:,} is above {what}, the longest sequence the servers hold; "
+                      f"set hidden.max_length to {limit} or less")
     return errors
 
 
@@ -113,12 +130,12 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
                        f"`hf download {model} config.json`")
     else:
         errors += [e for e in (check_aux_ids(config, model, cfg), check_vocab(config, model, cfg),
-                               check_heads(config, model, cfg)) if e]
-    if config["server"]["max_model_len"]:
-        errors += check_lengths(config)
+                               check_heads(config, model, cfg), check_context(config, model, cfg)) if e]
+    if config["server"]["max_model_len"] or _text_key(cfg or {}, "max_position_embeddings"):
+        errors += check_lengths(config, cfg)
     else:
         skipped.append("generation.max_tokens and hidden.max_length not checked: server.max_model_len is null "
-                       "(vLLM takes the model's own)")
+                       "and the target's max_position_embeddings is not known here")
     errors += check_datasets(config, workdir)
     if plan.mode == "files" and plan.files_bytes is None:
         skipped.append("files mode's disk not checked: the target's hidden size is unknown (set plan.hidden_size)")
