@@ -110,6 +110,7 @@ class Plan:
     server_mode: str
     gpus: dict = field(default_factory=dict)  # stage -> words
     measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
+    validation: dict | None = None  # validation_time: server starts, tokens and seconds per start, total
     skipped: list = field(default_factory=list)  # checks.check_config's notes: checks it could not run
 
     def disk_refusal(self) -> str | None:
@@ -167,6 +168,51 @@ def _expected_prompts(config: dict) -> tuple[int | None, str]:
     return None, f"{d['path']} (a hub dataset without dataset.limit: its size is not known before it is read)"
 
 
+def validation_time(config: dict) -> dict:
+    """Validation's time, from the config: every validation run (the target alone, EAGLE-3 in each export
+    format, n-gram) is one server start that sends the held-out set one request at a time (the headline), then
+    the matrix's other cells one request at a time (validate.matrix_prompts of each set at each temperature),
+    and the held-out set again at validate.concurrency. Upper bound: every answer runs to validate.max_tokens.
+    ``seconds`` is None without plan.decode_tokens_per_s or where a set's size is unknown."""
+    v, d = config["validate"], config["dataset"]
+    max_tokens = v["max_tokens"] or config["generation"]["max_tokens"]
+    fmt = config["export"]["format"]
+    starts = 2 + (2 if fmt == "both" else 1)
+    sizes = [d["heldout"]] + [s.get("limit") or dataset_rows(s["path"]) for s in v["datasets"]]
+    mp, one_at_a_time, unknown = v["matrix_prompts"], d["heldout"], []
+    temps = v["temperatures"] if v["temperatures"] is not None else [0.0, config["generation"]["temperature"]]
+    temps = sorted({float(t) for t in temps} | {0.0})  # as validation resolves them (validate.resolve_settings)
+    for i, n in enumerate(sizes):
+        for t in temps:
+            if i == 0 and t == 0:
+                continue  # the headline, counted above
+            cell = min(n, mp) if n is not None and mp else n if n is not None else mp
+            if cell is None:
+                unknown.append(v["datasets"][i - 1]["name"])
+            else:
+                one_at_a_time += cell
+    tokens = one_at_a_time * max_tokens
+    rate = config["plan"]["decode_tokens_per_s"]
+    per_start = None
+    if rate and not unknown:
+        concurrent = d["heldout"] * max_tokens / (rate * max(1, v["concurrency"]))  # at best concurrency x faster
+        per_start = config["plan"]["server_start_s"] + tokens / rate + concurrent
+    return {"starts": starts, "tokens_per_start": tokens, "max_tokens": max_tokens, "rate": rate,
+            "per_start_s": per_start, "seconds": per_start * starts if per_start else None, "unknown_sets": unknown}
+
+
+def validation_refusal(plan: "Plan", limit_minutes: int | None) -> str | None:
+    """Validation that cannot finish within its SLURM time (``limit_minutes``), with the figures and the fixes."""
+    v = plan.validation
+    if not v or not v["seconds"] or not limit_minutes or v["seconds"] <= limit_minutes * 60:
+        return None
+    return (f"validation needs about {v['seconds'] / 3600:.1f} h ({v['starts']} server starts x "
+            f"{v['per_start_s'] / 3600:.1f} h: {v['tokens_per_start']:,} tokens one request at a time at "
+            f"plan.decode_tokens_per_s {v['rate']:g}), above validate_draft's SLURM time of {limit_minutes / 60:g} h; "
+            f"lower validate.matrix_prompts, validate.max_tokens or validate.temperatures, or raise validate_draft's "
+            f"runtime in the profile")
+
+
 def answers_fingerprint(config: dict) -> str:
     """The fingerprint trace shards of this config carry: its served model and answer settings."""
     from .data.traces import fingerprint
@@ -210,7 +256,8 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
                 state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
                 files_bytes=state_tokens * shard_bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
                 stream_bytes=int(h["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
-                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)))
+                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
+                validation=validation_time(config))
     plan.gpus = stage_plan(config, has_gpu)
     return plan
 
@@ -271,6 +318,18 @@ def format_plan(p: Plan) -> str:
                      f"about {human_seconds(m['remaining_s'])} at that rate")
     else:
         lines.append("  generation time: projected once a trace shard has finished")
+    v = p.validation
+    if v:
+        what = (f"{v['starts']} server starts x {v['tokens_per_start']:,} tokens one request at a time "
+                f"(at most validate.max_tokens {v['max_tokens']:,} an answer)")
+        if v["seconds"]:
+            lines.append(f"  validation time: about {human_seconds(v['seconds'])}: {what}, each start "
+                         f"{human_seconds(v['per_start_s'])} at plan.decode_tokens_per_s {v['rate']:g}")
+        elif v["unknown_sets"]:
+            lines.append(f"  validation time: unknown (the size of {', '.join(v['unknown_sets'])}: set its limit "
+                         f"or validate.matrix_prompts); {what.replace(' x ', ' x at least ')}")
+        else:
+            lines.append(f"  validation time: {what}; set plan.decode_tokens_per_s for the hours")
     lines += [f"  skipped check: {note}" for note in p.skipped]
     return "\n".join(lines)
 

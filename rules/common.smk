@@ -21,7 +21,7 @@ from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
 from eaglenest.data.traces import ANSWER_SETTINGS
-from eaglenest.plan import format_plan, make_plan, stage_gpus
+from eaglenest.plan import format_plan, make_plan, stage_gpus, validation_refusal
 from eaglenest.checks import check_config
 from eaglenest.gguf import converted_dir, is_gguf
 from eaglenest.data.prompts import QUESTIONS_FILE, dataset_path
@@ -132,6 +132,26 @@ if SERVER.mode == "slurm":
         raise WorkflowError(str(e)) from None
     if partition_note and workflow.is_main_process:
         logger.info(f"eaglenest: {partition_note}")
+
+
+def profile_runtime_minutes(rule):
+    """The runtime (minutes) the profile's set-resources gives ``rule`` (e.g. profiles/slurm: validate_draft
+    8h), else None: what a SLURM job of that rule may take."""
+    from snakemake.resources import Resource
+
+    value = (workflow.resource_settings.overwrite_resources.get(rule) or {}).get("runtime")
+    value = getattr(value, "value", value)
+    try:
+        return int(Resource.parse_human_friendly("runtime", value)) if value is not None else None
+    except (WorkflowError, TypeError, ValueError):
+        return None
+
+
+if workflow.is_main_process:
+    # Before any job: validation that cannot finish within its SLURM time stops the run, with the figures.
+    refusal = validation_refusal(PLAN, profile_runtime_minutes("validate_draft"))
+    if refusal:
+        raise WorkflowError(refusal)
 
 
 # The draft directory of each export format (export.format: vllm, speculators or both).

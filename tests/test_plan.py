@@ -101,7 +101,8 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
     assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600, "path": str(ROOT / "toy/prompts.jsonl")},
-                                                       "server": {"model": str(ROOT / "toy/target")},
+                                                       "server": {"model": str(ROOT / "toy/target"), "max_model_len": 512},
+                                                       "generation": {"max_tokens": 256}, "hidden": {"max_length": 512},
                                                        "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
     mine = validate_config(yaml.safe_load((tmp_path / "cfg.yaml").read_text()))
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(mine)}))

@@ -261,3 +261,17 @@ def test_every_schema_key_has_a_description():
 
     walk(load_schema(), ())
     assert not missing, f"schemas/config.schema.yaml: no description for {', '.join(missing)}"
+
+
+def test_validation_that_outgrows_its_slurm_time_stops_the_dry_run_with_the_figures(tmp_path):
+    """The Kimi preset's validation (4.7 h at its stated speed) fits the profile's 8 h, not 2 h: refused before
+    any job, with the hours and what to lower."""
+    args = ["--cores", "1", "--configfile", str(ROOT / "configs/kimi-k2.5-int4.slurm.yaml")]
+    text = dry_run(tmp_path / "fits", *args, "--set-resources", "validate_draft:runtime=8h")
+    assert "validation time: about 4.7 h: 4 server starts x 106,496 tokens" in text
+    out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "short"), "-n", *args,
+                          "--set-resources", "validate_draft:runtime=2h"],
+                         capture_output=True, text=True, timeout=300, env=_no_gpu_env())
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "validation needs about 4.7 h (4 server starts x 1.2 h" in text, text[-3000:]
+    assert "SLURM time of 2 h" in text and "validate.matrix_prompts" in text
