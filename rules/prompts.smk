@@ -30,7 +30,8 @@ rule write_questions:
         QUESTIONS_FILE,
     params:
         generate=config["dataset"]["generate"],
-        model=SERVER.model_id,
+        # the served model: a new target writes new questions (a dict, so the lint does not read it as a path)
+        target={"model": SERVER.model_id},
         evalsets=config["validate"]["datasets"],
     resources:
         generation_slots=1,
