@@ -86,8 +86,9 @@ def model_card(config, info, card, train=None, k=3) -> str:
     return "\n".join(lines)
 
 
-def write_validation(draft_dir, report: dict, fmt: str) -> None:
-    """Put the validation report's acceptance figures into a draft's card (replacing earlier ones)."""
+def write_validation(draft_dir, report: dict, fmt: str, matrix_lines=()) -> None:
+    """Put the validation report's acceptance figures into a draft's card (replacing earlier ones), followed by
+    ``matrix_lines``: the matrix as Markdown, which validation renders (validation.matrix.matrix_markdown)."""
     path = Path(draft_dir) / "README.md"
     text = path.read_text().split(VALIDATION_MARK)[0].rstrip() + "\n"
     run = (report.get("formats") or {}).get(fmt) or report.get("eagle3") or {}
@@ -112,10 +113,7 @@ def write_validation(draft_dir, report: dict, fmt: str) -> None:
         f"| output tokens/s over the target alone, {concurrency or 'several'} requests in flight | {fx(speed)} |",
         "",
     ]
-    if report.get("matrix"):
-        from ..validation.matrix import matrix_markdown  # pandas: only where a report has a matrix
-
-        lines += matrix_markdown(report["matrix"])
+    lines += list(matrix_lines)
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(text + "\n" + "\n".join(lines))
     os.replace(tmp, path)

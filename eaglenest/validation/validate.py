@@ -42,7 +42,7 @@ from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts
 from ..states.target import load_target
 from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores
-from .matrix import build_matrix
+from .matrix import build_matrix, matrix_markdown
 from .predict import offline_acceptance
 from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
 
@@ -415,8 +415,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     )
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves, csv_path=csv_path)
+    matrix_lines = matrix_markdown(report["matrix"]) if report.get("matrix") else []
     for fmt, path in drafts.items():
-        write_validation(path, report, fmt)
+        write_validation(path, report, fmt, matrix_lines)
     per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
     log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {offline['acceptance_length']:.3f} "
         f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
