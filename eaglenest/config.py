@@ -81,6 +81,13 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
     return resolve_config(config)
 
 
+def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
+    """validate.temperatures as validation measures them: null is 0 and generation.temperature, each once;
+    T=0 always (the headline and the offline check), sorted."""
+    temps = temperatures if temperatures is not None else [0.0, generation_temperature]
+    return sorted({float(t) for t in temps} | {0.0})
+
+
 def write_resolved_config(config: dict, path: str | Path, sources=()) -> None:
     """Write the config a run uses (defaults filled in) as YAML, headed by the files it came from."""
     path = Path(path)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import matrix_temperatures
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
@@ -180,10 +181,8 @@ def validation_time(config: dict) -> dict:
     starts = 2 + (2 if fmt == "both" else 1)
     sizes = [d["heldout"]] + [s.get("limit") or dataset_rows(s["path"]) for s in v["datasets"]]
     mp, one_at_a_time, unknown = v["matrix_prompts"], d["heldout"], []
-    temps = v["temperatures"] if v["temperatures"] is not None else [0.0, config["generation"]["temperature"]]
-    temps = sorted({float(t) for t in temps} | {0.0})  # as validation resolves them (validate.resolve_settings)
     for i, n in enumerate(sizes):
-        for t in temps:
+        for t in matrix_temperatures(v["temperatures"], config["generation"]["temperature"]):
             if i == 0 and t == 0:
                 continue  # the headline, counted above
             cell = min(n, mp) if n is not None and mp else n if n is not None else mp

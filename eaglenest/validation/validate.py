@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..config import defaults
+from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
 from ..draft.export import write_validation
 from ..draft.vllm_format import flat_config, launch
@@ -279,8 +279,7 @@ def resolve_settings(validate: dict | None, generation: dict) -> dict:
     gen = {**GENERATION_DEFAULTS, **{k: v for k, v in generation.items() if v is not None}}
     if s["max_tokens"] is None:
         s["max_tokens"] = gen["max_tokens"]
-    temps = s["temperatures"] if s["temperatures"] is not None else [0.0, gen["temperature"]]
-    s["temperatures"] = sorted({float(t) for t in temps} | {0.0})  # T=0 always: the headline and the offline check
+    s["temperatures"] = matrix_temperatures(s["temperatures"], gen["temperature"])
     if s["top_p"] is None:
         s["top_p"] = gen["top_p"]
     return s
