@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import matrix_temperatures
+from .gguf import is_gguf
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
@@ -89,7 +90,7 @@ def target_hidden_size(config: dict) -> tuple[int | None, str]:
     cfg = target_config(model) or {}
     h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
     if h:  # the target's own figure wins over the config's stand-in
-        return h, f"{model}'s {'GGUF metadata' if model.lower().endswith('.gguf') else 'config.json'}"
+        return h, f"{model}'s {'GGUF metadata' if is_gguf(model) else 'config.json'}"
     return config["plan"]["hidden_size"], "plan.hidden_size"
 
 

@@ -9,11 +9,13 @@ layer ``i``, transformers' ``output_hidden_states[i]``.
 ``target_head.json`` (``target_info``: sizes, rms eps, rope, layer count, aux layer ids).
 """
 
+import functools
 import json
 from pathlib import Path
 
 import torch
 
+from ..gguf import is_gguf
 from ..serving.vllm import aux_layers as choose_aux_layers
 
 HEAD_FORMAT = "eaglenest.target_head/1"
@@ -276,13 +278,20 @@ def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]
     return list(ids)
 
 
+@functools.lru_cache(maxsize=4)
+def _gguf_config(path: str) -> dict:
+    """A GGUF file's config, read once a process (about 5 s): the plan, the checks and the extraction-memory
+    check each ask for it before any job."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name).to_dict()
+
+
 def target_config(model: str) -> dict | None:
     """The target's config.json: a local directory, else the Hugging Face cache ($HF_HOME /
     $HF_HUB_CACHE; nothing is downloaded), or a GGUF file's metadata; None when none has it."""
-    if str(model).lower().endswith(".gguf") and Path(model).is_file():
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(Path(model).parent, gguf_file=Path(model).name).to_dict()
+    if is_gguf(str(model)) and Path(model).is_file():
+        return dict(_gguf_config(str(Path(model).resolve())))
     path = Path(model) / "config.json"
     if not path.is_file():
         from huggingface_hub import try_to_load_from_cache
