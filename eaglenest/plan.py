@@ -194,11 +194,17 @@ def validation_time(config: dict) -> dict:
     tokens = one_at_a_time * max_tokens
     rate = config["plan"]["decode_tokens_per_s"]
     per_start = None
+    # the held-out set at validate.concurrency: at best concurrency x faster
+    concurrent = d["heldout"] * max_tokens / (rate * max(1, v["concurrency"])) if rate else None
     if rate and not unknown:
-        concurrent = d["heldout"] * max_tokens / (rate * max(1, v["concurrency"]))  # at best concurrency x faster
         per_start = config["plan"]["server_start_s"] + tokens / rate + concurrent
+    # The learning curve: each draft kept along training (train.snapshots) is one more start (rule curve_point)
+    # that sends the held-out set once at validate.concurrency.
+    points = config["train"]["snapshots"]
+    per_point = (config["plan"]["server_start_s"] + concurrent) if rate else None
     return {"starts": starts, "tokens_per_start": tokens, "max_tokens": max_tokens, "rate": rate,
-            "per_start_s": per_start, "seconds": per_start * starts if per_start else None, "unknown_sets": unknown}
+            "per_start_s": per_start, "seconds": per_start * starts if per_start else None, "unknown_sets": unknown,
+            "curve_points": points, "per_point_s": per_point}
 
 
 def validation_refusal(plan: "Plan", limit_minutes: int | None) -> str | None:
@@ -330,6 +336,10 @@ def format_plan(p: Plan) -> str:
                          f"or validate.matrix_prompts); {what.replace(' x ', ' x at least ')}")
         else:
             lines.append(f"  validation time: {what}; set plan.decode_tokens_per_s for the hours")
+        if v["curve_points"]:
+            each = f", about {human_seconds(v['per_point_s'])} each" if v["per_point_s"] else ""
+            lines.append(f"  learning curve: {v['curve_points']} more server start(s) (train.snapshots, rule curve_point: "
+                         f"the held-out set once at validate.concurrency){each}")
     lines += [f"  skipped check: {note}" for note in p.skipped]
     return "\n".join(lines)
 

@@ -164,6 +164,22 @@ def draft_dirs():
     return {f: d for f, d in DRAFT_DIRS.items() if fmt in (f, "both")}
 
 
+def validation_generation():
+    """What validation's requests take from generation: (validate.max_tokens and the temperatures win)."""
+    keys = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body", "request_timeout")
+    return {k: config["generation"][k] for k in keys}
+
+
+def snapshot_files():
+    """The drafts train_draft keeps along training (train.snapshots), each measured by rule curve_point."""
+    return expand("draft/curve/point_{i}.safetensors", i=range(1, config["train"]["snapshots"] + 1))
+
+
+def curve_files():
+    """The learning curve's points: vLLM's acceptance of each draft kept along training (rule curve_point)."""
+    return expand("reports/curve/point_{i}.json", i=range(1, config["train"]["snapshots"] + 1))
+
+
 def all_targets(wildcards):
     return [*draft_dirs().values(), "reports/validation.json", "reports/validation.html"]
 

@@ -23,6 +23,7 @@ rule train_draft:
     output:
         checkpoint="draft/checkpoint.safetensors",
         metrics="draft/train_metrics.csv",
+        snapshots=snapshot_files(),
     params:
         train={k: v for k, v in config["train"].items() if k not in ("device", "gpus", "nproc")},
         nproc=train_processes(),

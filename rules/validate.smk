@@ -7,6 +7,7 @@ rule validate_draft:
         heldout="data/prompts/heldout.jsonl",
         evalsets=evalset_files(),
         metrics="draft/train_metrics.csv",
+        curve=curve_files(),
         target=target_files(),
     output:
         json=report("reports/validation.json", caption="../report/validation.rst", category="Validation"),
@@ -14,8 +15,7 @@ rule validate_draft:
         html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
     params:
         server=config["server"],
-        generation={k: config["generation"][k] for k in ("max_tokens", "temperature", "top_p", "chat_template_kwargs",
-                                                         "extra_body", "request_timeout")},
+        generation=validation_generation(),
         validate=config["validate"],
         target=target_model(),
         hidden_dtype=config["hidden"]["dtype"],
@@ -32,3 +32,31 @@ rule validate_draft:
         "logs/benchmarks/validate_draft.tsv"
     script:
         "../scripts/validate_draft.py"
+
+
+rule curve_point:
+    """A draft kept along training (train.snapshots) in real vLLM: its acceptance on the held-out prompts at T=0,
+    a point of the report's learning curve (one server start)."""
+    input:
+        checkpoint="draft/curve/point_{i}.safetensors",
+        heldout="data/prompts/heldout.jsonl",
+        target=target_files(),
+        after_training=after_training(),
+    output:
+        "reports/curve/point_{i}.json",
+    params:
+        server=config["server"],
+        generation=validation_generation(),
+        validate=config["validate"],
+        log_dir="logs/validate",
+    wildcard_constraints:
+        i=r"\d+",
+    threads: all_cores()  # one server at a time on a machine without GPUs: never beside validate_draft's
+    resources:
+        **gpu_resources("validate"),
+    conda:
+        "../envs/eaglenest.yaml"
+    log:
+        "logs/curve_point_{i}.log",
+    script:
+        "../scripts/curve_point.py"

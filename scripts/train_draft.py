@@ -33,14 +33,15 @@ if snakemake.params.get("stream"):
               "ahead_tokens": h["stream_ahead"] * config["batch_tokens"],
               "cache_dir": str(Path(snakemake.params.state_dir) / "stream_cache")}
 args = dict(hidden=list(snakemake.input.get("hidden", [])), vocab=snakemake.input.vocab, head=snakemake.input.head,
-            out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir)
+            out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir,
+            snapshots=list(snakemake.output.snapshots))
 if nproc > 1:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "eaglenest.draft.train", "--hidden", *args["hidden"], "--vocab", args["vocab"], "--head", args["head"],
-           "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"],
+           "--out", args["out"], "--metrics", args["metrics"], "--state-dir", args["state_dir"], "--snapshots", *args["snapshots"],
            "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
     say("launching: " + " ".join(cmd))
     sys.exit(subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode)
 torch.set_num_threads(usable_threads(snakemake.threads))
 train_draft(args["hidden"], args["vocab"], args["out"], args["metrics"], head_path=args["head"],
-            state_dir=args["state_dir"], config=config, device=device, stream=stream)
+            state_dir=args["state_dir"], config=config, device=device, stream=stream, snapshot_paths=args["snapshots"])

@@ -18,5 +18,5 @@ validate_draft(drafts, snakemake.input.heldout, snakemake.input.metrics,
                target=snakemake.params.target, hidden_dtype=snakemake.params.hidden_dtype,
                checkpoint_path=snakemake.input.checkpoint,
                log_dir=snakemake.params.log_dir, csv_path=snakemake.output.csv,
-               cache_dir=snakemake.params.cache_dir,
+               cache_dir=snakemake.params.cache_dir, curve_paths=list(snakemake.input.curve),
                workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)

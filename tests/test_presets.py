@@ -27,7 +27,7 @@ SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # (in stream mode the extraction server is its own job on its own node: its placement, and its full share)
 SLURM_KEYS = [("server", "mode"), ("server", "slurm"), ("hidden", "gpus"), ("hidden", "gpu_memory_gib"),
               ("hidden", "placement"), ("hidden", "gpu_memory_utilization"), ("train", "gpus"), ("validate", "gpus")]
-GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate"}
+GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate", "curve_point": "validate"}
 
 
 def _no_gpu_env() -> dict:

@@ -355,3 +355,51 @@ def test_skip_unscored_trains_the_same_draft(data, tmp_path, monkeypatch):
         for key in ("acc_0", "acc_2"):
             assert float(a[key]) == float(b[key])
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5)
+
+
+def test_drafts_kept_along_training_survive_a_kill_and_equal_an_uninterrupted_runs(data, tmp_path, monkeypatch):
+    """train.snapshots: drafts at a third and two thirds of the run, written to their outputs at the end; a run
+    killed after the first was kept resumes and still delivers both, equal to the uninterrupted run's."""
+    def run_kept(out):
+        paths = [out / "curve" / f"point_{i}.safetensors" for i in (1, 2)]
+        stats = train_draft(data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "m.csv",
+                            head_path=data["head_path"], config=CONFIG, state_dir=out / ".train_state", device="cpu",
+                            progress=False, snapshot_paths=paths)
+        return stats, paths
+
+    assert train.snapshot_steps(6, 2) == [2, 4] and train.snapshot_steps(1, 2) == [1, 1]
+    _, straight = run_kept(tmp_path / "straight")
+    kept = [load_checkpoint(p) for p in straight]
+    assert [k[3]["step"] for k in kept] == [2, 4] and all(k[3]["of_steps"] == 6 for k in kept)
+    assert kept[0][3]["tokens"] < kept[1][3]["tokens"]
+    assert not any(torch.equal(kept[0][0][n], kept[1][0][n]) for n in ("fc.weight",))
+    assert not list((tmp_path / "straight" / ".train_state").glob("curve_*")), "kept drafts are moved, not copied"
+
+    save = train._save_state
+
+    def save_then_die(state_dir, step, state, keep):
+        save(state_dir, step, state, keep)
+        if step == 4:
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(train, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_kept(tmp_path / "killed")
+    monkeypatch.setattr(train, "_save_state", save)
+    stats, resumed = run_kept(tmp_path / "killed")
+    assert stats["resumed_from"] == 4
+    for a, b in zip(straight, resumed):
+        ta, tb = load_checkpoint(a)[0], load_checkpoint(b)[0]
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
+
+
+def test_a_resume_point_whose_kept_draft_is_gone_is_not_used(data, tmp_path, monkeypatch):
+    """A state past a kept draft that is gone (here: a run killed before train.snapshots was set) cannot deliver
+    that draft: the run resumes from the state before it (step 2; the one draft is kept at step 3)."""
+    out = tmp_path / "out"
+    paths = [out / "curve" / "point_1.safetensors"]
+    interrupted_after_save(data, out, monkeypatch, at_step=4)
+    stats = train_draft(data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "m.csv",
+                        head_path=data["head_path"], config=CONFIG, state_dir=out / ".train_state", device="cpu",
+                        progress=False, snapshot_paths=paths)
+    assert stats["resumed_from"] == 2 and load_checkpoint(paths[0])[3]["step"] == 3

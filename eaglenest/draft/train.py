@@ -8,7 +8,9 @@ In ``hidden.mode: stream`` the shards are a ``stream.StreamedStates`` instead: t
 their states fetched from the extraction server ahead of the loader (it is told the order), so the
 batches, and the draft, are those files mode makes from the shards. A killed run resumes from ``state_dir/step_{n}.pt`` (model, optimizer, RNG, step; the data order
 is a function of the seed, the epoch and the step), which lies outside the declared outputs and is
-removed once the checkpoint is written. Under torchrun (WORLD_SIZE > 1) the batches are dealt to
+removed once the checkpoint is written. The drafts kept along training (``snapshots``: at equal parts of
+the run, for the report's learning curve) are written there too, named by the run, and moved to their
+outputs at the end, so a resumed run still has the ones it passed before it was killed. Under torchrun (WORLD_SIZE > 1) the batches are dealt to
 the ranks in turn, gradients are averaged by DDP and rank 0 writes.
 """
 
@@ -173,7 +175,7 @@ def _fingerprint(cfg, shards, vocab_path, head_path, world):
     # The global batch (micro-batches per optimizer step), not how it is split, identifies a run:
     # a state saved by 1 process x grad_accum 2 resumes under 2 processes x 1, and the reverse.
     facts = {
-        "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states")},
+        "config": {k: v for k, v in cfg.items() if k not in ("grad_accum", "save_every", "keep_states", "snapshots")},
         "micro_batches_per_step": cfg["grad_accum"] * world,
         "shards": shards.fingerprint_facts(),
         "vocab": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
@@ -244,13 +246,29 @@ def target_head_rows(head, shards, draft_ids, info, device, rank):
     return head["lm_head.weight"].to(device, head_dtype)
 
 
-def resume(state_dir, fingerprint, model, opt, device, total_steps):
-    """Load the newest resume point of this run in ``state_dir`` (same data and config) into
-    ``model`` and ``opt`` -> (step, metrics rows so far, the step resumed from or None)."""
+def snapshot_steps(total_steps: int, n: int) -> list[int]:
+    """The steps at which the ``n`` drafts along training are kept: equal parts of the run (a third and
+    two thirds of it with n = 2), never step 0 (the final draft is the checkpoint itself)."""
+    return [max(1, round(total_steps * (i + 1) / (n + 1))) for i in range(n)]
+
+
+def _snapshot_file(state_dir, fingerprint, i):
+    """Where the ``i``-th draft along training waits in ``state_dir`` until the run ends (named by the run)."""
+    return Path(state_dir) / f"curve_{fingerprint[:16]}_{i}.safetensors"
+
+
+def resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots=()):
+    """Load the newest resume point of this run in ``state_dir`` (same data and config, and every draft kept
+    along training before it still there; ``snapshots``: their (step, file)) into ``model`` and ``opt``
+    -> (step, metrics rows so far, the step resumed from or None)."""
     for path in _state_files(state_dir):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state["fingerprint"] != fingerprint:
             say(f"train_draft: ignoring {path}, saved for other data or config")
+            continue
+        lost = [str(f) for s, f in snapshots if s <= state["step"] and not Path(f).exists()]
+        if lost:
+            say(f"train_draft: ignoring {path}: the draft(s) kept along training before it are gone ({', '.join(lost)})")
             continue
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -295,9 +313,12 @@ def train_step(trainable, model, opt, params, loader, head, cfg, world, device, 
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
-                stream=None) -> dict:
+                stream=None, snapshot_paths=()) -> dict:
     """Train the draft; write ``out_path`` (safetensors: the draft's vLLM tensors, config in the
     metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary.
+
+    ``snapshot_paths``: one checkpoint per path, of the draft at equal parts of the run (``snapshot_steps``),
+    in ``out_path``'s format with the step and tokens so far in its statistics.
 
     ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
     from the extraction server instead of shards."""
@@ -343,7 +364,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     fingerprint = _fingerprint(cfg, shards, vocab_path, head_path, world)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps)
+    snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, len(snapshot_paths)))]
+    step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
@@ -367,8 +389,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
             step += 1
             metrics.add(step, epoch, lr, sums, grad_norm, tokens)
             save = rank == 0 and step % cfg["save_every"] == 0 and step < total_steps
-            if save or step % cfg["log_every"] == 0 or step == total_steps:
+            keep = [f for s, f in snapshots if s == step and rank == 0]
+            if save or keep or step % cfg["log_every"] == 0 or step == total_steps:
                 metrics.flush()
+            for path in keep:
+                _save_weights(path, model, opt, cfg, dcfg, info, {"step": step, "of_steps": total_steps,
+                                                                  "tokens": sum(int(r["tokens"]) for r in rows), "loss": rows[-1]["loss"],
+                                                                  "acc": [rows[-1][f"acc_{j}"] for j in range(J)]})
             if save:
                 state = {
                     "fingerprint": fingerprint,
@@ -404,12 +431,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     if stream is not None:
         stats["stream"] = {**shards.counts, "peak_disk_bytes": shards.peak_bytes, "wait_s": round(shards.t_wait, 2)}
     if rank == 0:
-        weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-        save_checkpoint(out_path, tensors, dcfg, info, {**stats, "config": cfg})
+        _save_weights(out_path, model, opt, cfg, dcfg, info, stats)
         write_metrics(metrics_path, rows)
-        for path in _state_files(state_dir):  # the run is complete: its resume points are not
-            path.unlink(missing_ok=True)
+        for (_, kept), dest in zip(snapshots, snapshot_paths):
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(kept, dest)
+        for path in [*_state_files(state_dir), *Path(state_dir).glob("curve_*.safetensors")]:
+            path.unlink(missing_ok=True)  # the run is complete: its resume points are not, nor other runs' drafts
     if own_group:
         dist.barrier()
         dist.destroy_process_group()
@@ -419,6 +447,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
             f"loss {last['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}"
         )
     return stats
+
+
+def _save_weights(path, model, opt, cfg, dcfg, info, stats) -> None:
+    """The draft's weights now (the fp32 masters under bf16 weights) as a checkpoint with ``stats``."""
+    weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    save_checkpoint(path, tensors, dcfg, info, {**stats, "config": cfg})
 
 
 def main(argv=None):
@@ -433,11 +468,13 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", required=True)
     p.add_argument("--state-dir", required=True)
+    p.add_argument("--snapshots", nargs="*", default=[], help="where the drafts kept along training go")
     p.add_argument("--config", default="{}", help="the training config as JSON")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
     train_draft(a.hidden, a.vocab, a.out, a.metrics, head_path=a.head, config=json.loads(a.config),
-                state_dir=a.state_dir, device=a.device, stream=json.loads(a.stream) if a.stream else None)
+                state_dir=a.state_dir, device=a.device, stream=json.loads(a.stream) if a.stream else None,
+                snapshot_paths=a.snapshots)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,19 @@ def train_summary(curves: dict, k: int) -> dict:
     }
 
 
+def learning_curve(points: list[dict], final: dict, curves: dict) -> dict | None:
+    """vLLM's acceptance along training: the drafts kept along it (``curve.measure_point``'s points) and the
+    final draft (its headline run, ``final``), by step, with ``tokens`` trained so far (``curves``: the columns
+    of train_metrics.csv), and ``last_gain``: what the last part of training added (None: no points)."""
+    if not points or not final.get("acceptance_length") or not curves.get("step"):
+        return None
+    keep = ("step", "tokens", "acceptance_length", "acceptance_rate", "per_position", "prompts")
+    rows = [{key: p.get(key) for key in keep} for p in sorted(points, key=lambda p: p["step"])]
+    rows.append({"step": int(curves["step"][-1]), "tokens": int(sum(curves.get("tokens") or [])),
+                 **{key: final.get(key) for key in keep[2:5]}, "prompts": final.get("requests"), "final": True})
+    return {"points": rows, "last_gain": rows[-1]["acceptance_length"] - rows[-2]["acceptance_length"]}
+
+
 def cross_checks(target, prompts, runs, generation, offline) -> dict:
     """Cross-checks that point at a cause when the numbers disagree (``runs``: the three vLLM runs
     with their answers, ``offline``: the prediction)."""
@@ -260,7 +273,7 @@ def format_agreement(formats: dict) -> dict | None:
 
 def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offline: dict, train: dict,
                  checks: dict, settings: dict, warn_below=WARN_BELOW, formats: dict | None = None,
-                 matrix: dict | None = None) -> dict:
+                 matrix: dict | None = None, curve: dict | None = None) -> dict:
     """The validation.json dict (answers dropped) with the speed-up, agreement and warnings.
     ``formats``: ``{export format: run name}`` of the EAGLE-3 runs (default: vLLM's format, "eagle3").
     ``matrix``: ``matrix.build_matrix``'s (every run × set × temperature); the runs' own cells are dropped."""
@@ -293,6 +306,8 @@ def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offli
     }
     if matrix is not None:
         report["matrix"] = matrix
+    if curve is not None:
+        report["curve"] = curve
     report["warnings"] = findings(report, warn_below)
     return report
 
@@ -370,6 +385,29 @@ def _plots(report, train_curves):
                                [("one request at a time", ones), (f"{concurrency} in flight", tps)],
                                title="Throughput in vLLM", xlabel="run", ylabel="output tokens / s", fmt="{:.1f}"))
     return plots
+
+
+def _curve_html(curve: dict | None, ngram: float | None) -> list[str]:
+    """The learning curve: vLLM's acceptance length of the drafts kept along training and of the final one."""
+    if not curve:
+        return []
+    rows, gain = curve["points"], curve["last_gain"]
+    steps = [r["step"] for r in rows]
+    series = [("EAGLE-3 in vLLM", steps, [r["acceptance_length"] for r in rows])]
+    if ngram is not None:
+        series.append(("n-gram in vLLM", [steps[0], steps[-1]], [ngram, ngram]))
+    verdict = (f"The last {rows[-1]['step'] - rows[-2]['step']} steps added {gain:+.3f} to the acceptance length: "
+               + ("more training still pays." if gain >= 0.05 else "the draft has about stopped learning from this data."
+                  if gain > -0.05 else "it went down: the draft overfits this data."))
+    return ["<h2>Acceptance along training</h2>", f"<p>{esc(verdict)}</p>",
+            _table(["draft", "step", "tokens trained", "acceptance length", "per position"],
+                   [["final" if r.get("final") else f"kept at step {r['step']}", _num(r["step"]), _num(r["tokens"]),
+                     _num(r["acceptance_length"], 3), ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–"]
+                    for r in rows]),
+            line_chart(series, title="Acceptance along training (held-out set, T=0)", xlabel="optimizer step",
+                       ylabel="acceptance length"),
+            '<p class="muted">Each kept draft is served by its own vLLM start (rule curve_point, train.snapshots) and '
+            'sent the held-out prompts at T=0; the final draft\'s point is its headline run above.</p>']
 
 
 def _execution_note(*runs) -> str:
@@ -458,6 +496,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
     for f, r in formats.items():
         if r.get("served_as"):
             parts.append(f'<p class="muted">{esc(f)} format served as: {esc(r["served_as"])}</p>')
+    parts += _curve_html(report.get("curve"), n.get("acceptance_length"))
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")
 

@@ -44,7 +44,8 @@ from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores
 from .matrix import build_matrix, matrix_markdown
 from .predict import offline_acceptance
-from .report import build_report, cross_checks, export_differences, read_train_metrics, train_summary, write_report
+from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, train_summary,
+                     write_report)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 
@@ -203,7 +204,7 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     the counters around the timed requests, and stop the server (its whole process group) always.
     ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
     served as the model) rather than ``spec``. ``one_request_runs``: timed one-request phases (the
-    median one is reported; benchmarks/bench_speedup.py takes three). ``cells``: the matrix's cells
+    median one is reported; benchmarks/bench_speedup.py takes three; 0: none, acceptance only). ``cells``: the matrix's cells
     (``{"set", "temperature", "prompts", "settings"}``), each measured on the same server start after
     the headline phases (``measure_cell``); the one flagged ``headline`` reuses their figures."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
@@ -235,7 +236,8 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
             result = run_requests(url, cfg.model_id, prompts, settings, concurrency=concurrency,
                                   api_key=api_key, min_seconds=min_seconds)
             after = settled_counters(url, api_key)
-            result["one_request"] = one_request_speed(singles)
+            if singles:
+                result["one_request"] = one_request_speed(singles)
             if k:
                 result.update(acceptance(counter_delta(before, after), k))
             result["cells"] = [measure_cell(url, cfg.model_id, c, api_key=api_key, k=k,
@@ -255,9 +257,9 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     if k and result["drafts"] == 0:
         raise ValidationError(f"{name}: vLLM counted no speculative drafts over {len(prompts)} requests "
                               f"(counters {after}); speculation did not run: see {paths.log}")
-    one = result["one_request"]
-    log(f"{name}: one request at a time {one['output_tokens_per_s']:.1f} tok/s ({one['ms_per_token']:.2f} ms/token); "
-        f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
+    one = result.get("one_request")
+    log(f"{name}: " + (f"one request at a time {one['output_tokens_per_s']:.1f} tok/s ({one['ms_per_token']:.2f} ms/token); "
+                       if one else "") + f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
         f"{result['wall_s']:.1f} s ({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
         + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
     for c in result.get("cells", []):
@@ -327,11 +329,13 @@ def _mean(xs) -> float | None:
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
                    validate: dict | None = None, target=None, hidden_dtype="bfloat16", checkpoint_path=None,
-                   log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None) -> dict:
+                   log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None,
+                   curve_paths=()) -> dict:
     """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
-    checkpoint) adds the export-against-training check."""
+    checkpoint) adds the export-against-training check; ``curve_paths``: the learning curve's points
+    (``curve.measure_point``), drawn with the final draft's acceptance."""
     if not isinstance(drafts, dict):
         drafts = {"vllm": drafts}
     draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
@@ -403,8 +407,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     curves = read_train_metrics(metrics_path)
     matrix = build_matrix(runs, sets=sets, temperatures=s["temperatures"], top_p=s["top_p"], seed=s["seed"], k=k,
                           offline=offline, warn_below=s["warn_below"])
+    curve = learning_curve([json.loads(Path(p).read_text()) for p in curve_paths], runs["eagle3"], curves)
     report = build_report(
-        matrix=matrix, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
+        matrix=matrix, curve=curve, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
         offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
         settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
                   "min_seconds": s["min_seconds"],
@@ -422,4 +427,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
         f"at a time, ×{report['speedup_concurrent']:.2f} at {s['concurrency']} in flight; "
         f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
+    if curve:
+        log("validate_draft: acceptance along training: " + ", ".join(
+            f"step {p['step']} {p['acceptance_length']:.3f}" for p in curve["points"]))
     return report

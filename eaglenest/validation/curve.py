@@ -1,0 +1,63 @@
+"""The learning curve: vLLM's acceptance of a draft kept along training (``train.snapshots``).
+
+``measure_point`` exports one kept draft in vLLM's format, serves it on one server start and sends the
+held-out prompts at T=0 with ``validate.concurrency`` in flight: the acceptance of the headline cell, the
+figure validate_draft gives the final draft, so the points and the final draft line up on one curve.
+validate_draft draws the curve (``report.learning_curve``). Speed is not measured here: one
+pass, no warm-up, no one-request phase (a point costs a server start and one pass over the set)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+from ..draft.checkpoint import load_checkpoint
+from ..draft.export import export_draft
+from ..draft.vllm_format import launch
+from ..errors import ServerError, ValidationError
+from ..serving.settings import ServerConfig
+from ..util import say, write_atomic
+from .evalsets import read_prompts
+from .validate import measure_run, request_settings, resolve_settings
+
+
+def measure_point(checkpoint_path, heldout_path, json_path, *, server: dict, generation: dict, validate: dict | None = None,
+                  log_dir="logs/validate", workflow_pid=None, log=say) -> dict:
+    """vLLM's acceptance of the draft in ``checkpoint_path`` on the held-out prompts at T=0 (module docstring);
+    writes it, with the step and tokens the draft had trained on, to ``json_path`` and returns it."""
+    t0 = time.time()
+    s = resolve_settings(validate, generation)
+    k = s["num_speculative_tokens"]
+    name = f"curve_{Path(checkpoint_path).stem}"
+    draft_dir = Path(log_dir) / name / "draft"
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    export_draft(checkpoint_path, draft_dir)
+    trained = load_checkpoint(checkpoint_path)[3]
+    prompts = read_prompts(heldout_path)
+    srv = ServerConfig.from_dict(server)
+    if s.get("port"):
+        srv = dataclasses.replace(srv, port=s["port"])
+    model, spec, _ = launch("vllm", draft_dir.resolve(), k, srv.model)
+    settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])
+    log(f"curve_point: the draft of step {trained['step']} of {trained['of_steps']} in vLLM ({len(prompts)} prompts, k={k})")
+    try:
+        run = measure_run(name, dataclasses.replace(srv, model=model, served_model_name=srv.model_id), spec, prompts,
+                          settings, log_dir=log_dir, concurrency=s["concurrency"], warmup_requests=0, min_seconds=0.0,
+                          workflow_pid=workflow_pid, log=log, k=k, one_request_runs=0)
+    except ServerError as e:
+        raise ValidationError(f"learning-curve point {checkpoint_path} could not start vLLM: {e}") from e
+    finally:
+        shutil.rmtree(draft_dir, ignore_errors=True)
+    point = {"step": trained["step"], "of_steps": trained["of_steps"], "tokens": trained["tokens"],
+             "train_loss": trained["loss"], "train_acc": trained.get("acc"), "prompts": len(prompts),
+             "temperature": 0.0, "max_tokens": s["max_tokens"], "k": k,
+             "output_tokens": run["completion_tokens"], "seconds_to_ready": run["seconds_to_ready"],
+             "seconds": round(time.time() - t0, 1),
+             **{key: run[key] for key in ("acceptance_length", "acceptance_rate", "per_position", "drafts",
+                                          "draft_tokens", "accepted")}}
+    write_atomic(json_path, point)
+    log(f"curve_point: step {point['step']} of {point['of_steps']}: acceptance length {point['acceptance_length']:.3f} "
+        f"({point['prompts']} prompts, {point['seconds']} s) -> {json_path}")
+    return point
