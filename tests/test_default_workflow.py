@@ -135,3 +135,25 @@ def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
     good_length = report["eagle3"]["acceptance_length"]
     assert run["acceptance_length"] < 0.92 * good_length, (run["acceptance_length"], good_length)
     server_gone(server["port"])
+
+
+def test_default_report_draws_acceptance_along_training(default_run):
+    """train.snapshots: the drafts kept at a third and two thirds of training, each served by its own vLLM start
+    (rule curve_point), and the final draft: three points by step, drawn on the page; the default's toy keeps
+    learning over the run, so the first point is below the final one."""
+    from eaglenest.config import defaults
+
+    wd, cfg, report = default_run
+    points = report["curve"]["points"]
+    steps = [p["step"] for p in points]
+    assert len(points) == cfg["train"].get("snapshots", defaults("train")["snapshots"]) + 1 == 3 and steps == sorted(steps) and len(set(steps)) == 3, points
+    assert points[-1].get("final") and points[-1]["acceptance_length"] == report["eagle3"]["acceptance_length"]
+    assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
+    for i, p in enumerate(points[:-1], start=1):
+        measured = json.loads((wd / f"reports/curve/point_{i}.json").read_text())
+        assert measured["drafts"] > 0 and measured["step"] == p["step"] and measured["of_steps"] == steps[-1]
+        assert 1.0 <= p["acceptance_length"] <= 1 + report["num_speculative_tokens"]
+    assert points[0]["acceptance_length"] < points[-1]["acceptance_length"], points
+    assert report["curve"]["last_gain"] == pytest.approx(points[-1]["acceptance_length"] - points[-2]["acceptance_length"])
+    html = (wd / "reports/validation.html").read_text()
+    assert "Acceptance along training" in html and 'aria-label="Acceptance along training' in html

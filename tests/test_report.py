@@ -179,3 +179,17 @@ def test_speed_warning_follows_the_one_request_speed_up():
     (w,) = [w for w in _report(runs=slow)["warnings"] if w["kind"] == "speed"]
     assert "one request at a time (×0.80" in w["message"]
     assert not [w for w in _report()["warnings"] if w["kind"] == "speed"]
+
+
+def test_learning_curve_orders_the_kept_drafts_and_adds_the_final_one():
+    from eaglenest.validation.report import learning_curve
+
+    points = [{"step": 20, "tokens": 200, "acceptance_length": 2.5, "per_position": [0.8], "prompts": 4},
+              {"step": 10, "tokens": 100, "acceptance_length": 2.0, "per_position": [0.6], "prompts": 4}]
+    curves = {"step": [1.0, 2.0, 30.0], "tokens": [100.0, 100.0, 100.0]}
+    curve = learning_curve(points, {"acceptance_length": 2.4, "per_position": [0.7], "requests": 12}, curves, 4)
+    assert [p["step"] for p in curve["points"]] == [10, 20, 30]
+    assert curve["points"][-1] == {"step": 30, "tokens": 300, "acceptance_length": 2.4, "acceptance_rate": None,
+                                   "per_position": [0.7], "prompts": 4, "final": True}
+    assert curve["last_gain"] == pytest.approx(-0.1)
+    assert learning_curve([], {"acceptance_length": 2.4}, curves, 4) is None

@@ -80,16 +80,16 @@ def train_summary(curves: dict, k: int) -> dict:
     }
 
 
-def learning_curve(points: list[dict], final: dict, curves: dict) -> dict | None:
+def learning_curve(points: list[dict], final: dict, curves: dict, prompts: int) -> dict | None:
     """vLLM's acceptance along training: the drafts kept along it (``curve.measure_point``'s points) and the
-    final draft (its headline run, ``final``), by step, with ``tokens`` trained so far (``curves``: the columns
+    final draft (its headline run, ``final``, over ``prompts`` held-out prompts), by step, with ``tokens`` trained so far (``curves``: the columns
     of train_metrics.csv), and ``last_gain``: what the last part of training added (None: no points)."""
     if not points or not final.get("acceptance_length") or not curves.get("step"):
         return None
     keep = ("step", "tokens", "acceptance_length", "acceptance_rate", "per_position", "prompts")
     rows = [{key: p.get(key) for key in keep} for p in sorted(points, key=lambda p: p["step"])]
     rows.append({"step": int(curves["step"][-1]), "tokens": int(sum(curves.get("tokens") or [])),
-                 **{key: final.get(key) for key in keep[2:5]}, "prompts": final.get("requests"), "final": True})
+                 **{key: final.get(key) for key in keep[2:5]}, "prompts": prompts, "final": True})
     return {"points": rows, "last_gain": rows[-1]["acceptance_length"] - rows[-2]["acceptance_length"]}
 
 
@@ -401,7 +401,7 @@ def _curve_html(curve: dict | None, ngram: float | None) -> list[str]:
                   if gain > -0.05 else "it went down: the draft overfits this data."))
     return ["<h2>Acceptance along training</h2>", f"<p>{esc(verdict)}</p>",
             _table(["draft", "step", "tokens trained", "acceptance length", "per position"],
-                   [["final" if r.get("final") else f"kept at step {r['step']}", _num(r["step"]), _num(r["tokens"]),
+                   [["final" if r.get("final") else f"kept at step {r['step']}", _num(r["step"]), f'{r["tokens"]:,}',
                      _num(r["acceptance_length"], 3), ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–"]
                     for r in rows]),
             line_chart(series, title="Acceptance along training (held-out set, T=0)", xlabel="optimizer step",

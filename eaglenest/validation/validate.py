@@ -407,7 +407,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     curves = read_train_metrics(metrics_path)
     matrix = build_matrix(runs, sets=sets, temperatures=s["temperatures"], top_p=s["top_p"], seed=s["seed"], k=k,
                           offline=offline, warn_below=s["warn_below"])
-    curve = learning_curve([json.loads(Path(p).read_text()) for p in curve_paths], runs["eagle3"], curves)
+    curve = learning_curve([json.loads(Path(p).read_text()) for p in curve_paths], runs["eagle3"], curves, len(prompts))
     report = build_report(
         matrix=matrix, curve=curve, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
         offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
