@@ -50,7 +50,7 @@ def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
 def test_questions_the_target_writes_count_as_the_prompts_less_the_held_out(tmp_path):
     config = preset("smollm2-135m.yaml")
     plan = make_plan(config, tmp_path, has_gpu=False)
-    assert plan.prompts == 2000 - config["dataset"]["heldout"] and "dataset.generate.questions" in plan.prompts_source
+    assert plan.prompts == config["dataset"]["generate"]["questions"] - config["dataset"]["heldout"] == 2000 and "dataset.generate.questions" in plan.prompts_source
     assert make_plan(changed(config, "dataset", "limit", 500), tmp_path, has_gpu=False).prompts == 500
     # the target's hidden size from the plan, until the conversion writes its config.json
     assert plan.files_bytes == plan.state_tokens * (8 * 576 + 13)
