@@ -7,6 +7,8 @@ rule save_target_head:
     params:
         target=target_model(),
         aux_layers=config["draft"]["aux_layers"],
+        # only the transformers backend, which loads the target anyway, may load it for unusual tensor names
+        allow_load=config["hidden"]["backend"] == "transformers",
     conda:
         "../envs/eaglenest.yaml"
     log:

@@ -176,3 +176,65 @@ def test_both_state_sources_meet_the_protocol():
     assert {"length", "fingerprint_facts", "follow", "close", "__len__", "__getitem__"} <= set(methods)
     for cls in (HiddenShards, StreamedStates):
         assert all(callable(getattr(cls, n, None)) for n in methods), cls
+
+
+def _kimi_like_checkpoint(root, *, lm_head=True):
+    """A Kimi-K2.5-shaped checkpoint in miniature: the kimi_k25 wrapper config (a DeepSeek-V3 text config and a
+    vision tower), the language model under ``language_model.``, decoys that end the same way (the MTP layer's
+    embedding, a vision norm), in two shards with an index."""
+    from safetensors.torch import save_file
+
+    vocab, hidden = 96, 16
+    (root).mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {"model_type": "deepseek_v3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 32,
+                        "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2,
+                        "tie_word_embeddings": False}}))
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "language_model.model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "language_model.model.norm.weight": torch.randn(hidden, generator=g),
+        "language_model.model.layers.6.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "language_model.model.layers.6.shared_head.norm.weight": torch.randn(hidden, generator=g),
+        "language_model.model.layers.0.input_layernorm.weight": torch.randn(hidden, generator=g),
+        "vision_tower.encoder.norm.weight": torch.randn(hidden, generator=g),
+        "mm_projector.norm.weight": torch.randn(hidden, generator=g),
+    }
+    if lm_head:
+        tensors["language_model.lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(root / file))
+    (root / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    return tensors
+
+
+def test_a_multimodal_wrappers_head_is_read_by_name_without_building_the_model(tmp_path, monkeypatch):
+    """Kimi-K2.5: transformers has no causal-LM class for its config, and the target is 1T parameters. The head
+    comes from the checkpoint by the language model's names (not the MTP layer's or the vision tower's), the
+    facts from the text config, and nothing loads the model."""
+    from eaglenest.states import target as target_mod
+
+    tensors = _kimi_like_checkpoint(tmp_path / "kimi")
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
+    info = save_target_head(str(tmp_path / "kimi"), tmp_path / "head.safetensors", allow_load=False)
+    head, saved = load_target_head(tmp_path / "head.safetensors")
+    assert torch.equal(head["embed_tokens.weight"], tensors["language_model.model.embed_tokens.weight"])
+    assert torch.equal(head["norm.weight"], tensors["language_model.model.norm.weight"])
+    assert torch.equal(head["lm_head.weight"], tensors["language_model.lm_head.weight"])
+    assert saved["hidden_size"] == 16 and saved["vocab_size"] == 96 and saved["num_hidden_layers"] == 6
+    assert saved["model_type"] == "deepseek_v3" and 0 not in info["aux_layers"]
+
+
+def test_a_head_that_is_not_found_is_refused_rather_than_loading_the_whole_target(tmp_path, monkeypatch):
+    from eaglenest.states import target as target_mod
+
+    _kimi_like_checkpoint(tmp_path / "kimi", lm_head=False)  # untied, and no lm_head tensor
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
+    with pytest.raises(ValueError) as err:
+        save_target_head(str(tmp_path / "kimi"), tmp_path / "head.safetensors", allow_load=False)
+    assert "lm_head" in str(err.value) and "hidden.backend transformers" in str(err.value)
+    assert not (tmp_path / "head.safetensors").exists()

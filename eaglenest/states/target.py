@@ -109,14 +109,37 @@ def _checkpoint_files(target):
     return from_hub
 
 
+# Tensors of a multimodal wrapper's other towers, never the language model's head.
+NOT_TEXT = ("vision", "visual", "mm_projector", "multi_modal", "audio", "image")
+
+
+def head_tensor_names(names, tied: bool) -> dict | None:
+    """``{embed_tokens.weight, lm_head.weight, norm.weight: checkpoint name}`` among a checkpoint's tensor
+    ``names``, or None where one is missing. The language model's own, whatever wraps it (``model.``,
+    ``language_model.model.`` in a multimodal wrapper such as Kimi-K2.5): the shortest name with that
+    ending, outside other towers and decoder layers (DeepSeek-V3's MTP layer has its own embedding and
+    norm). ``tied``: the text config's tie_word_embeddings; then a missing lm_head is the embedding."""
+    def pick(ending, in_layers=False):
+        found = [n for n in names if (n == ending or n.endswith("." + ending))
+                 and not any(t in n for t in NOT_TEXT) and (in_layers or ".layers." not in n)]
+        return min(found, key=len) if found else None
+
+    out = {"embed_tokens.weight": pick("embed_tokens.weight"), "norm.weight": pick("norm.weight"),
+           "lm_head.weight": pick("lm_head.weight")}
+    if out["lm_head.weight"] is None and tied:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out if all(out.values()) else None
+
+
 def _head_weights_from_checkpoint(target, config):
     """The three head tensors read straight from the target's safetensors checkpoint, or None.
 
-    A meta-device copy of the model gives the parameter names; nothing else of the target is read,
-    so this costs seconds even for a very large target.
+    Found by name in the checkpoint's index (``head_tensor_names``) and checked against the text
+    config's sizes; nothing else of the target is read or built, so this costs seconds even for a
+    1T-parameter target, and needs no model class for its config (transformers 5.19 has none that
+    AutoModelForCausalLM takes for Kimi-K2.5's).
     """
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     fetch = _checkpoint_files(target)
     index = fetch("model.safetensors.index.json")
@@ -127,36 +150,40 @@ def _head_weights_from_checkpoint(target, config):
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         return None
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    wanted = {
-        "embed_tokens.weight": meta.get_input_embeddings().weight,
-        "lm_head.weight": meta.get_output_embeddings().weight,
-        "norm.weight": decoder_of(meta).norm.weight,
-    }
+    text = config.get_text_config()
+    tied = bool(getattr(text, "tie_word_embeddings", False))  # the language model's own flag, not a wrapper's default
+    names = head_tensor_names(list(weight_map), tied)
+    if names is None:
+        return None
+    shapes = {"embed_tokens.weight": (text.vocab_size, text.hidden_size), "lm_head.weight": (text.vocab_size, text.hidden_size),
+              "norm.weight": (text.hidden_size,)}
     weights = {}
-    for key, param in wanted.items():
-        # a tied lm_head has two names for one tensor: take the one the checkpoint stores
-        names = [n for n, p in meta.named_parameters(remove_duplicate=False) if p is param and n in weight_map]
-        if not names:
-            return None
-        with safe_open(str(fetch(weight_map[names[0]])), framework="pt") as f:
-            weights[key] = f.get_tensor(names[0])
+    for key, name in names.items():
+        with safe_open(str(fetch(weight_map[name])), framework="pt") as f:
+            weights[key] = f.get_tensor(name)
+        if tuple(weights[key].shape) != shapes[key]:
+            return None  # not the tensor we took it for (or a packed/quantized one): load the model instead
     return weights
 
 
-def save_target_head(target, head_path, *, aux_layers=None, model=None) -> dict:
+def save_target_head(target, head_path, *, aux_layers=None, model=None, allow_load=True) -> dict:
     """Save embed_tokens / lm_head / final-norm weights and the target's facts, once per target.
 
     Writes ``head_path`` (safetensors) and ``head_path`` with suffix ``.json``; returns the info.
     The weights come from ``model`` when given, else straight from the target's safetensors files,
-    else (unusual tensor names) from loading the whole target on CPU.
+    else (unusual tensor names) from loading the whole target on CPU, where ``allow_load`` (the
+    transformers backend, which loads it anyway); otherwise that is refused with the names it lacks.
     """
     from transformers import AutoConfig
 
     config = model.config if model is not None else AutoConfig.from_pretrained(target)
     info = {**target_info(config, aux_layers), "target": str(target)}
     weights = None if model is not None else _head_weights_from_checkpoint(target, config)
+    if weights is None and model is None and not allow_load:
+        raise ValueError(f"{target}: no safetensors checkpoint with the language model's embed_tokens, norm and lm_head "
+                         f"tensors of the text config's sizes (vocabulary {info['vocab_size']}, hidden {info['hidden_size']}) "
+                         "was found, and hidden.backend vllm does not load the whole target into transformers; "
+                         "check the checkpoint's model.safetensors.index.json, or use hidden.backend transformers")
     if weights is None:
         model = model if model is not None else load_target(target, device="cpu", dtype="auto")
         weights = {
