@@ -19,6 +19,7 @@ rule validate_draft:
         validate=config["validate"],
         target=target_model(),
         hidden_dtype=config["hidden"]["dtype"],
+        hidden_backend=config["hidden"]["backend"],
         log_dir="logs/validate",
         cache_dir=config["dataset"]["cache_dir"],
     threads: all_cores()

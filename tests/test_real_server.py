@@ -112,3 +112,29 @@ def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_lef
     again.with_name(again.name + ".partial").write_text(json.dumps({"i": 0, "text": planted, "finish_reason": "stop"}) + "\n")
     write_questions(again, questions=12, **settings)
     assert planted in [r["messages"][0]["content"] for r in read_lines(again)]
+
+
+def test_the_target_alone_server_scores_outputs_as_transformers_does(toy_server, tmp_path):
+    """validate.offline.engine none: the lossless check's scores (mean log-prob per completion token under the
+    target) come from the target-alone server's prompt_logprobs; they equal the transformers target's, for a
+    greedy answer, a sampled one and a wrong one, and an empty completion has none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eaglenest.data.traces import answer_prompts
+    from eaglenest.validation.lossless import sequence_scores, served_scores
+
+    cfg, _ = toy_server
+    url = f"http://{cfg.host}:{cfg.port}"
+    prompts = [json.loads(line) for line in _prompts(tmp_path / "p.jsonl", 2).read_text().splitlines()]
+    greedy = answer_prompts(prompts, url=url, model=cfg.model_id, generation={**GENERATION, "temperature": 0.0})
+    sampled = answer_prompts(prompts, url=url, model=cfg.model_id, generation={**GENERATION, "temperature": 1.0, "seed": 3})
+    sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in greedy + sampled]
+    wrong = list(reversed(sequences[0][1]))
+    sequences += [(sequences[0][0], wrong), (sequences[0][0], [])]
+    served = served_scores(url, cfg.model_id, sequences, concurrency=4)
+    model = AutoModelForCausalLM.from_pretrained(TOY_TARGET, dtype=torch.float32)
+    reference = sequence_scores(model, sequences)
+    assert served[-1] is None and reference[-1] is None
+    assert served[:-1] == pytest.approx(reference[:-1], abs=2e-3), (served, reference)
+    assert served[-2] < served[0], "a reversed answer scores below the greedy one"

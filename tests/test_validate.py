@@ -2,6 +2,7 @@
 requests sent through the traces client (a stub server: it injects the failures a real one can't on
 demand). Fast: no vLLM."""
 
+import json
 import pytest
 
 from eaglenest.serving.vllm import acceptance, spec_counters
@@ -124,3 +125,57 @@ def test_evaluation_sets_load_through_the_training_loader(tmp_path):
     assert len(rows) == 3 and all(r["messages"][0]["content"].startswith("q") for r in rows)
     with pytest.raises(validate.ValidationError, match="used twice"):
         resolve_sets([{"name": "heldout", "path": str(gsm)}], heldout)
+
+
+def test_without_a_transformers_target_the_target_alone_server_scores_every_run_last(data, tmp_path, monkeypatch):
+    """validate.offline.engine auto with hidden.backend vllm (a target too large for transformers): nothing loads
+    the target, the target-alone run goes last and scores every run's outputs on its own server before it stops,
+    and the report says there is no offline prediction (vLLM itself is faked here: the real server's scores are
+    tested against transformers in tests/test_real_server.py)."""
+    from eaglenest.draft.export import export_untrained
+    from eaglenest.validation import validate as v
+
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft", config={"ttt_length": 3})
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": f"h{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                               for i in range(3)))
+    metrics = tmp_path / "train_metrics.csv"
+    metrics.write_text("step,loss,loss_0,loss_1,loss_2,acc_0,acc_1,acc_2,tokens\n1,2.0,2.0,2.0,2.0,0.5,0.3,0.2,100\n")
+    order, scored = [], []
+
+    def fake_run(name, server, spec, prompts, settings, *, cells=(), before_stop=None, k=None, **_):
+        order.append(name)
+        answers = [{"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4, 5], "finish_reason": "stop", "latency_s": 0.1}
+                   for _ in prompts]
+        one = {"requests": len(prompts), "passes": 1, "completion_tokens": 9, "wall_s": 1.0, "output_tokens_per_s": 9.0,
+               "ms_per_token": 100.0, "mean_latency_s": 0.3}
+        spec_figures = {"acceptance_length": 2.0, "acceptance_rate": 0.33, "per_position": [0.5, 0.3, 0.2],
+                        "drafts": 9, "draft_tokens": 27, "accepted": 9} if k or (spec or {}).get("num_speculative_tokens") else {}
+        result = {"answers": answers, "one_request": one, "output_tokens_per_s": 20.0, "mean_latency_s": 0.3, "passes": 1,
+                  "completion_tokens": 9, "wall_s": 1.0, "requests": 3, "seconds_to_ready": 1.0, **spec_figures,
+                  "cells": [{"set": c["set"], "temperature": c["temperature"], "prompts": len(c["prompts"]),
+                             "answers": answers, "one_request": one, "output_tokens": 9,
+                             "request_settings": v.sent_settings(c["settings"]), **spec_figures} for c in cells]}
+        if before_stop:
+            before_stop("http://127.0.0.1:9", None, result)
+        return result
+
+    def fake_scores(url, model, sequences, **_):
+        scored.append(len(sequences))
+        return [-0.5] * len(sequences)
+
+    monkeypatch.setattr(v, "measure_run", fake_run)
+    monkeypatch.setattr(v, "served_scores", fake_scores)
+    monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
+    monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
+    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
+    report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", server=server,
+                              generation={"max_tokens": 8}, validate={"temperatures": [0, 1.0]},
+                              hidden_backend="vllm", log=lambda m: None)
+    assert order == ["eagle3", "ngram", "baseline"]
+    assert sum(scored) == 3 * 2 * 3, "every run's two cells of three outputs, scored on the target-alone server"
+    assert "skipped" in report["offline"] and "acceptance_length" not in report["offline"]
+    cells = report["matrix"]["cells"]
+    assert len(cells) == 3 * 2 and all(c.get("score") == -0.5 for c in cells), cells
+    assert all(c["lossless_check"]["lossless"] for c in cells if c["method"] != "baseline"), "equal scores: lossless"
+    assert "No offline prediction" in (tmp_path / "r.html").read_text()

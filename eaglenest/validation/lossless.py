@@ -61,6 +61,44 @@ def sequence_scores(model, sequences) -> list[float | None]:
     return out
 
 
+def served_scores(url: str, model: str, sequences, *, api_key=None, concurrency: int = 8, timeout: float = 600.0) -> list[float | None]:
+    """``sequence_scores`` from a vLLM server of the target alone instead of a transformers copy: each
+    ``(prompt_ids, completion_ids)`` sent whole as the prompt of one completions request with
+    ``prompt_logprobs: 0`` (vLLM's log-probability of each prompt token under the raw logits, the T=1
+    distribution), the completion's positions averaged. For a target too large for transformers: the
+    server validation already starts answers it."""
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    from ..errors import ValidationError
+    from ..serving.probe import session
+
+    parts = urlsplit(url)
+    http = session(f"{parts.scheme}://{parts.netloc}", api_key)
+
+    def one(seq):
+        prompt, completion = list(seq[0]), list(seq[1])
+        if not completion or not prompt:  # the first token of a sequence has no log-probability
+            return None
+        body = {"model": model, "prompt": prompt + completion, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        try:
+            resp = http.post(f"{url}/v1/completions", json=body, timeout=timeout)
+            resp.raise_for_status()
+            rows = resp.json()["choices"][0]["prompt_logprobs"]
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            raise ValidationError(f"scoring outputs with prompt_logprobs at {url} failed: {e}") from e
+        logps = []
+        for token, row in zip(completion, rows[len(prompt):]):
+            entry = (row or {}).get(str(token))
+            if entry is None:
+                raise ValidationError(f"{url} returned no prompt log-probability for token {token}")
+            logps.append(float(entry["logprob"]))
+        return sum(logps) / len(logps)
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, sequences))
+
+
 def _finite(xs) -> list[float]:
     return [float(x) for x in xs if x is not None and math.isfinite(x)]
 

@@ -443,6 +443,8 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                 f"speed-up over the target alone with one request at a time <b>{_num(report.get('speedup'), 2)}×</b> "
                 f"(n-gram {_num(report.get('ngram_speedup'), 2)}×; {_num(report.get('speedup_concurrent'), 2)}× with "
                 f"{esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
+    if o.get("skipped"):
+        headline += f" No offline prediction: {esc(o['skipped'])}."
     if any(w["kind"] == "disagreement" for w in warnings):
         parts.append(f'<div class="verdict bad"><b>vLLM and the offline prediction disagree.</b> {headline}</div>')
     else:

@@ -41,13 +41,16 @@ from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts
                             speculative_config, supported_version_note, vllm_version)
 from ..states.target import load_target
 from .evalsets import load_set, read_prompts, resolve_sets
-from .lossless import score_check, sequence_scores
+from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
 from .predict import offline_acceptance
 from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, train_summary,
                      write_report)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
+OFFLINE_SKIPPED = ("validate.offline.engine resolves to none (hidden.backend {backend}): the offline prediction needs the "
+                   "whole target in transformers; the lossless check scores the outputs with the target-alone vLLM "
+                   "server's prompt_logprobs instead. Set validate.offline.engine: transformers where the target fits")
 
 
 # ----------------------------------------------------------------------------- /metrics
@@ -199,14 +202,15 @@ def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) ->
 
 def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
                 warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1,
-                cells=()) -> dict:
+                cells=(), before_stop=None) -> dict:
     """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
     the counters around the timed requests, and stop the server (its whole process group) always.
     ``k``: the speculative tokens of a run whose model directory carries them (a speculators draft
     served as the model) rather than ``spec``. ``one_request_runs``: timed one-request phases (the
     median one is reported; benchmarks/bench_speedup.py takes three; 0: none, acceptance only). ``cells``: the matrix's cells
     (``{"set", "temperature", "prompts", "settings"}``), each measured on the same server start after
-    the headline phases (``measure_cell``); the one flagged ``headline`` reuses their figures."""
+    the headline phases (``measure_cell``); the one flagged ``headline`` reuses their figures.
+    ``before_stop(url, api_key, result)``: more work for the server once the cells are measured."""
     if any(str(a).startswith(SPECULATIVE_CONFIG_FLAGS) for a in server.extra_args):
         raise ValidationError("server.extra_args holds a --speculative-config: validation sets its own "
                               "per run; remove it from server.extra_args")
@@ -244,6 +248,8 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
                                             first=result if c.get("headline") else None) for c in cells]
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+            if before_stop is not None:
+                before_stop(url, api_key, result)
         finally:
             stop_local(paths, log=log)
             if record:
@@ -293,15 +299,22 @@ def draft_vocabulary(draft_dir) -> dict:
     return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
+def answer_sequences(cell: dict) -> list[tuple]:
+    """A cell's outputs as ``(prompt_ids, completion_ids)``, what the lossless scores are computed over."""
+    return [(a["prompt_token_ids"] or [], a["completion_token_ids"]) for a in cell["answers"]]
+
+
 def score_cells(runs: dict, model, *, alpha: float, tolerance: float, log=print) -> None:
-    """Every cell's outputs scored under the target (``lossless.sequence_scores``), and each
+    """Every cell's outputs scored under the target (``lossless.sequence_scores`` with the transformers
+    ``model``, unless the cell holds ``scores`` already: ``lossless.served_scores``), and each
     speculative run checked against the target alone at each temperature, over every set at once
     (``lossless.score_check``); adds ``score`` (the cell's own mean) and ``lossless_check`` (the run's
     check at that temperature) to the cells, drops their answers."""
     by_cell = {name: {(c["set"], c["temperature"]): c for c in r.get("cells", [])} for name, r in runs.items()}
     for name, cells in by_cell.items():
         for c in cells.values():
-            c["scores"] = sequence_scores(model, [(a["prompt_token_ids"], a["completion_token_ids"]) for a in c["answers"]])
+            if "scores" not in c:
+                c["scores"] = sequence_scores(model, answer_sequences(c))
             c["score"] = _mean(c["scores"])
     reference = by_cell.get("baseline", {})
     for name, cells in by_cell.items():
@@ -328,13 +341,15 @@ def _mean(xs) -> float | None:
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
-                   validate: dict | None = None, target=None, hidden_dtype="bfloat16", checkpoint_path=None,
+                   validate: dict | None = None, target=None, hidden_dtype="bfloat16", hidden_backend="transformers",
+                   checkpoint_path=None,
                    log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None,
                    curve_paths=()) -> dict:
     """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
-    checkpoint) adds the export-against-training check; ``curve_paths``: the learning curve's points
+    checkpoint) adds the export-against-training check; ``hidden_backend``: where validate.offline.engine is
+    auto, transformers computes the offline prediction and the scores only if it held the target already; ``curve_paths``: the learning curve's points
     (``curve.measure_point``), drawn with the final draft's acceptance."""
     if not isinstance(drafts, dict):
         drafts = {"vllm": drafts}
@@ -370,6 +385,22 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
         plan[name] = launch(fmt, path, k, srv.model, version)
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
+    off = s["offline"]
+    engine = off["engine"] if off["engine"] != "auto" else "transformers" if hidden_backend == "transformers" else "none"
+    before_stop = {}
+    if engine == "none":
+        # No transformers copy of the target: the target-alone server scores every run's outputs, so it runs last.
+        plan["baseline"] = plan.pop("baseline")
+
+        def score_on_server(url, api_key, result):
+            cells = [c for r in (*runs.values(), result) for c in r.get("cells", [])]
+            log(f"validate_draft: scoring {sum(len(c['answers']) for c in cells)} outputs with the target alone's "
+                f"prompt_logprobs (validate.offline.engine none)")
+            for c in cells:
+                c["scores"] = served_scores(url, srv.model_id, answer_sequences(c), api_key=api_key,
+                                            concurrency=s["concurrency"])
+
+        before_stop["baseline"] = score_on_server
     for name, (model, spec, served_as) in plan.items():
         log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
         # The served name stays the target's when --model is a speculators draft directory.
@@ -378,24 +409,27 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
             runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
                                      warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
                                      workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k,
-                                     cells=cells)
+                                     cells=cells, before_stop=before_stop.get(name))
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
         if served_as:
             runs[name]["served_as"] = served_as
 
-    off = s["offline"]
     offline_dtype = off["dtype"] or hidden_dtype
-    log(f"validate_draft: offline prediction ({off['tokens']} sequences, {offline_dtype})")
-    sequences = None
-    if off["tokens"] == "served":
-        sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in runs["baseline"]["answers"]]
-    model = load_target(target, device=off["device"], dtype=offline_dtype)
-    offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
-                                 chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
-                                 device=off["device"], model=model)
-    log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
-        f"({offline['drafts']} drafts, {offline['seconds']} s)")
+    if engine == "transformers":
+        log(f"validate_draft: offline prediction ({off['tokens']} sequences, {offline_dtype})")
+        sequences = None
+        if off["tokens"] == "served":
+            sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in runs["baseline"]["answers"]]
+        model = load_target(target, device=off["device"], dtype=offline_dtype)
+        offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
+                                     chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
+                                     device=off["device"], model=model)
+        log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
+            f"({offline['drafts']} drafts, {offline['seconds']} s)")
+    else:
+        model, offline = None, {"skipped": OFFLINE_SKIPPED.format(backend=hidden_backend)}
+        log(f"validate_draft: no offline prediction: {offline['skipped']}")
     score_cells(runs, model, alpha=s["lossless_alpha"], tolerance=s["lossless_tolerance"], log=log)
     del model
 
@@ -423,8 +457,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     for fmt, path in drafts.items():
         write_validation(path, report, fmt, matrix_lines)
     per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
-    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {offline['acceptance_length']:.3f} "
-        f"offline, n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
+    versus = f"{offline['acceptance_length']:.3f} offline" if "acceptance_length" in offline else "no offline prediction"
+    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {versus}, "
+        f"n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
         f"at a time, ×{report['speedup_concurrent']:.2f} at {s['concurrency']} in flight; "
         f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
     if curve:
