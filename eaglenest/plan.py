@@ -113,6 +113,7 @@ class Plan:
     gpus: dict = field(default_factory=dict)  # stage -> words
     measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
     validation: dict | None = None  # validation_time: server starts, tokens and seconds per start, total
+    stages: dict = field(default_factory=dict)  # stage_hours: stage -> (seconds or None, GPUs, how)
     skipped: list = field(default_factory=list)  # checks.check_config's notes: checks it could not run
 
     def disk_refusal(self) -> str | None:
@@ -265,7 +266,49 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
                 replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
                 validation=validation_time(config))
     plan.gpus = stage_plan(config, has_gpu)
+    plan.stages = stage_hours(config, plan, has_gpu)
     return plan
+
+
+def stage_hours(config: dict, plan: Plan, has_gpu: bool) -> dict:
+    """``{stage: (seconds or None, GPUs held, how)}``: each stage's time (an upper bound: every answer runs to
+    generation.max_tokens, every sequence to the plan's longest) from the measured trace rate or the stated
+    plan.*_tokens_per_s, and the GPUs it holds meanwhile, for its GPU-hours."""
+    p, s = config["plan"], config["server"]
+    replicas, per_server = s["replicas"], server_gpus(config)
+    server_held = replicas * per_server if s["mode"] != "external" else 0
+    out = {}
+    if plan.measured:
+        out["generation"] = (plan.measured["remaining_s"], server_held, "the rest, at the measured trace rate")
+    elif p["generate_tokens_per_s"] and plan.generated_tokens:
+        out["generation"] = (plan.generated_tokens / (p["generate_tokens_per_s"] * replicas), server_held,
+                             f"plan.generate_tokens_per_s {p['generate_tokens_per_s']:g} a server")
+    else:
+        out["generation"] = (None, server_held, "set plan.generate_tokens_per_s, or wait for a finished trace shard")
+    extract_gpus = server_held if config["hidden"]["backend"] == "vllm" else stage_gpus(config, "hidden", has_gpu)
+    if p["extract_tokens_per_s"] and plan.state_tokens:
+        out["extraction"] = (p["server_start_s"] + plan.state_tokens / p["extract_tokens_per_s"], extract_gpus,
+                             f"plan.extract_tokens_per_s {p['extract_tokens_per_s']:g}")
+    else:
+        out["extraction"] = (None, extract_gpus, "set plan.extract_tokens_per_s")
+    train_gpus = stage_gpus(config, "train", has_gpu)
+    t = config["train"]
+    if p["train_tokens_per_s"] and plan.state_tokens:
+        tokens = plan.state_tokens * t["epochs"]
+        out["training"] = (tokens / p["train_tokens_per_s"], train_gpus,
+                           f"{t['epochs']:g} epoch(s) at plan.train_tokens_per_s {p['train_tokens_per_s']:g}"
+                           + (" (train.max_steps may stop it sooner)" if t["max_steps"] else ""))
+    else:
+        out["training"] = (None, train_gpus, "set plan.train_tokens_per_s")
+    if config["hidden"]["mode"] == "stream":  # the extraction server serves training: held as long as it runs
+        out["extraction"] = (out["training"][0], extract_gpus, "hidden.mode stream: the extraction server is held while "
+                             "training runs (its time is training's)")
+    v, validate_gpus = plan.validation, stage_gpus(config, "validate", has_gpu)
+    curve = v["per_point_s"] * v["curve_points"] if v and v.get("per_point_s") is not None else None
+    seconds = v["seconds"] + (curve or 0) if v and v["seconds"] else None
+    out["validation"] = (seconds, validate_gpus, "the validation time and the learning curve's starts above"
+                         if seconds else "set plan.decode_tokens_per_s")
+    return out
 
 
 def stage_plan(config: dict, has_gpu: bool) -> dict:
@@ -340,6 +383,17 @@ def format_plan(p: Plan) -> str:
             each = f", about {human_seconds(v['per_point_s'])} each" if v["per_point_s"] else ""
             lines.append(f"  learning curve: {v['curve_points']} more server start(s) (train.snapshots, rule curve_point: "
                          f"the held-out set once at validate.concurrency){each}")
+    if p.stages:
+        known = [(sec, gpus) for sec, gpus, _ in p.stages.values() if sec is not None]
+        overlap = p.stages["extraction"][0] if p.mode == "stream" and p.stages["extraction"][0] else 0
+        for stage, (sec, gpus, how) in p.stages.items():
+            hours = f"about {human_seconds(sec)}, {sec * gpus / 3600:,.1f} GPU-hours ({gpus} GPUs)" if sec is not None \
+                else f"not estimated ({gpus} GPUs)"
+            lines.append(f"  time, {stage}: {hours}: {how}")
+        if len(known) == len(p.stages):
+            lines.append(f"  time, all stages: about {human_seconds(sum(s for s, _ in known) - overlap)}, "
+                         f"{sum(s * g for s, g in known) / 3600:,.1f} GPU-hours (upper bounds; the stages run one after "
+                         "another" + (", extraction during training)" if overlap else ")"))
     lines += [f"  skipped check: {note}" for note in p.skipped]
     return "\n".join(lines)
 

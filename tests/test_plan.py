@@ -142,3 +142,33 @@ def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path)
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(kimi)}))
     plan = make_plan(kimi, tmp_path, has_gpu=True)
     assert plan.prompts == 49000 and plan.measured["done"] == 300
+
+
+def test_each_stage_has_a_time_and_gpu_hours_from_the_stated_rates(tmp_path):
+    """Files mode, 100 prompts of at most 64 answer tokens, a 2-GPU server: generation 100 x 64 / 32 tok/s =
+    200 s on 2 GPUs; extraction (vLLM backend) one start + state tokens / rate on the server's GPUs; training
+    epochs x state tokens / rate on its GPU; validation from decode_tokens_per_s. In stream mode extraction holds
+    its server while training runs, and the total does not count that time twice."""
+    config = preset("llama-3.1-8b-instruct.yaml")
+    for section, key, value in (("dataset", "limit", 100), ("generation", "max_tokens", 64), ("hidden", "mode", "files"),
+                                ("server", "tensor_parallel_size", 2), ("plan", "generate_tokens_per_s", 32.0),
+                                ("plan", "extract_tokens_per_s", 1000.0), ("plan", "train_tokens_per_s", 500.0),
+                                ("train", "epochs", 2), ("train", "gpus", 1), ("validate", "gpus", 2)):
+        config = changed(config, section, key, value)
+    plan = make_plan(config, tmp_path, has_gpu=True)
+    st = plan.stages
+    assert st["generation"][:2] == (100 * 64 / 32.0, 2)
+    assert st["extraction"][:2] == (config["plan"]["server_start_s"] + plan.state_tokens / 1000.0, 2)
+    assert st["training"][:2] == (2 * plan.state_tokens / 500.0, 1)
+    assert st["validation"][1] == 2 and st["validation"][0] > plan.validation["seconds"]  # the curve's starts added
+    text = format_plan(plan)
+    gpu_hours = sum(s * g for s, g, _ in st.values()) / 3600
+    assert "time, generation: about" in text and f"{gpu_hours:,.1f} GPU-hours" in text, text
+    stream = make_plan(changed(config, "hidden", "mode", "stream"), tmp_path, has_gpu=True)
+    assert stream.stages["extraction"][0] == stream.stages["training"][0]
+    total = sum(s for s, _, _ in stream.stages.values()) - stream.stages["extraction"][0]
+    from eaglenest.plan import human_seconds
+    assert f"time, all stages: about {human_seconds(total)}" in format_plan(stream)
+    unknown = make_plan(changed(config, "plan", "train_tokens_per_s", None), tmp_path, has_gpu=True)
+    assert "time, training: not estimated (1 GPUs): set plan.train_tokens_per_s" in format_plan(unknown)
+    assert "time, all stages" not in format_plan(unknown)
