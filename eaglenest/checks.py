@@ -2,8 +2,8 @@
 
 `check_config` is called where the plan is made: by the workflow at parse time (`snakemake -n` too)
 and by `python -m eaglenest.plan`. Each failure is one line naming the key, its value, the limit and
-what to do; a check that needs the target's config.json (a local directory or the Hugging Face cache,
-nothing is downloaded) is skipped without it, and the plan says which were.
+what to do; a check that needs the target's config.json (a local directory, the Hugging Face cache, or
+fetched into it from the hub where the hub answers) is skipped without it, and the plan says which were.
 """
 
 from __future__ import annotations
@@ -16,11 +16,40 @@ from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux
 
 
 def local_target_config(model: str, workdir: Path) -> dict | None:
-    """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache."""
+    """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache; a hub name
+    not in the cache is fetched into it where the hub answers (``fetch_config``)."""
     from .states.target import target_config  # imports torch: only where a plan is made
 
     local = workdir / model
-    return target_config(str(local) if (local / "config.json").is_file() else model)
+    if (local / "config.json").is_file():
+        return target_config(str(local))
+    cfg = target_config(model)
+    if cfg is None and "/" in model and not looks_local(model) and not (workdir / model).exists() and fetch_config(model):
+        cfg = target_config(model)
+    return cfg
+
+
+HUB_PROBE_S = 3.0  # a hub that does not answer within this is offline for the plan (no retries, no waiting)
+
+
+def fetch_config(model: str) -> bool:
+    """Download a hub target's config.json (one small file) into the Hugging Face cache, so the checks run
+    before any job: only where HF_HUB_OFFLINE is unset and the hub answers within HUB_PROBE_S (an offline
+    login node costs one failed lookup, not the hub client's minute of retries). False where it could not."""
+    import os
+
+    import requests
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        requests.head(constants.ENDPOINT, timeout=HUB_PROBE_S)
+        hf_hub_download(model, "config.json", etag_timeout=HUB_PROBE_S)
+    except Exception:  # offline, gated without a token, no such repo: the checks that need it are skipped, said so
+        return False
+    return True
 
 
 def _text_key(cfg: dict, key: str):
@@ -126,8 +155,8 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
     cfg = local_target_config(model, workdir)
     if cfg is None:
         skipped.append(f"aux layer ids, draft vocabulary and tensor_parallel_size not checked: no config.json for "
-                       f"{model} here (a local directory or the Hugging Face cache); fetch it first, e.g. "
-                       f"`hf download {model} config.json`")
+                       f"{model} here (a local directory or the Hugging Face cache) and the hub did not give it (offline, or gated "
+                       f"without HF_TOKEN); fetch it first where the hub answers, e.g. `hf download {model} config.json`")
     else:
         errors += [e for e in (check_aux_ids(config, model, cfg), check_vocab(config, model, cfg),
                                check_heads(config, model, cfg), check_context(config, model, cfg)) if e]

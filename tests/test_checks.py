@@ -138,3 +138,40 @@ def test_a_relative_target_and_dataset_are_read_from_the_working_directory(tmp_p
     bad = validate_config({**cfg, "draft": {**cfg["draft"], "vocab_size": 200}})
     with pytest.raises(ConfigError, match="draft.vocab_size 200"):
         check_config(bad, make_plan(bad, tmp_path, has_gpu=False), tmp_path)
+
+
+def test_a_hub_target_not_cached_is_fetched_where_the_hub_answers_then_checked(tmp_path, monkeypatch):
+    """Online: the plan downloads the one config.json into the Hugging Face cache and the checks run on it (here
+    the download is faked into a temporary cache: no machine of the suite reaches the hub). Offline
+    (HF_HUB_OFFLINE): nothing is tried and the checks are skipped, said so."""
+    import huggingface_hub
+
+    from eaglenest import checks
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    asked = []
+
+    def fake_download(repo, filename, **_):
+        asked.append((repo, filename))
+        snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+        snap.mkdir(parents=True)
+        (snap / filename).write_text(json.dumps({**TOY, "num_hidden_layers": 4}))
+        (cache / f"models--{repo.replace('/', '--')}" / "refs").mkdir()
+        (cache / f"models--{repo.replace('/', '--')}" / "refs" / "main").write_text("0" * 40)
+        return str(snap / filename)
+
+    monkeypatch.setattr("requests.head", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    cfg = validate_config(toy_config("org/target", draft={"aux_layers": [1, 2, 9]}))
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    assert asked == [("org/target", "config.json")] and "draft.aux_layers" in str(e.value), str(e.value)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("tried the hub offline"))
+    assert checks.fetch_config("org/other") is False
+    cfg = validate_config(toy_config("org/other"))
+    skipped = check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    assert any("no config.json for org/other" in note for note in skipped), skipped
