@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.prompts import looks_local
+from .data.prompts import looks_local, same_prompts
 from .errors import ConfigError
 from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
@@ -132,6 +132,66 @@ def check_lengths(config: dict, cfg: dict | None = None) -> list[str]:
     return errors
 
 
+def check_longest_prompt(config: dict, model: str, cfg: dict | None, workdir: Path) -> str | None:
+    """Once prepare_prompts has run for this config: its longest prompt (data/prompts/stats.json), in the target's
+    chat template, plus generation.max_tokens within server.max_model_len (null: the target's context); vLLM
+    refuses a longer request (HTTP 400, counted as an error). Needs the target's tokenizer here; else skipped."""
+    import json
+
+    stats = workdir / "data" / "prompts" / "stats.json"
+    limit = config["server"]["max_model_len"] or _text_key(cfg or {}, "max_position_embeddings")
+    if not limit or not stats.is_file():
+        return None
+    made = json.loads(stats.read_text())
+    longest = made.get("longest_prompt")
+    if not longest or not same_prompts(made, config):
+        return None
+    n = _prompt_tokens(longest["messages"], model, config["generation"]["chat_template_kwargs"], workdir, stats)
+    if n is None:
+        return None  # no tokenizer here: nothing to count with
+    max_tokens = config["generation"]["max_tokens"]
+    if n + max_tokens <= limit:
+        return None
+    return (f"the longest prompt ({longest['id']} in {stats.parent}, {n:,} tokens in the chat template) plus "
+            f"generation.max_tokens {max_tokens:,} is {n + max_tokens:,} tokens, above the {limit:,} vLLM holds "
+            f"(server.max_model_len, else the target's context): vLLM would refuse it; raise server.max_model_len, "
+            f"lower generation.max_tokens, or lower dataset.max_prompt_chars")
+
+
+def _prompt_tokens(messages, model: str, template_kwargs, workdir: Path, stats: Path) -> int | None:
+    """Tokens of ``messages`` in the target's chat template, or None without its tokenizer here. Kept beside
+    stats.json (longest_prompt.tokens.json, keyed by what decides it), so only the first plan after
+    prepare_prompts pays for loading a tokenizer (seconds on every later start otherwise)."""
+    import hashlib
+    import json
+
+    from .util import write_atomic
+
+    key = hashlib.sha256(json.dumps([stats.read_text(), model, template_kwargs], default=str).encode()).hexdigest()
+    cache = stats.with_name("longest_prompt.tokens.json")
+    try:
+        kept = json.loads(cache.read_text())
+        if kept.get("key") == key:
+            return kept["tokens"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        from transformers import AutoTokenizer
+
+        from .states.target import chat_prompt_ids
+
+        local = workdir / model
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)
+        n = len(chat_prompt_ids(tokenizer, messages, template_kwargs))
+    except (OSError, ValueError):
+        return None
+    try:
+        write_atomic(cache, {"key": key, "tokens": n})
+    except OSError:
+        pass  # a read-only working directory: counted again next time
+    return n
+
+
 def check_datasets(config: dict, workdir: Path) -> list[str]:
     """Local dataset paths (dataset.path, validate.datasets[i].path) exist; a hub name is not checked."""
     generated = config["dataset"]["generate"]["questions"]  # then dataset.path is not read
@@ -166,6 +226,7 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
         skipped.append("generation.max_tokens and hidden.max_length not checked: server.max_model_len is null "
                        "and the target's max_position_embeddings is not known here")
     errors += check_datasets(config, workdir)
+    errors += [e for e in (check_longest_prompt(config, model, cfg, workdir),) if e]
     if plan.mode == "files" and plan.files_bytes is None:
         skipped.append("files mode's disk not checked: the target's hidden size is unknown (set plan.hidden_size)")
     errors += [e for e in (plan.disk_refusal(),) if e]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import matrix_temperatures
+from .data.prompts import same_prompts
 from .gguf import is_gguf
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
@@ -138,23 +139,11 @@ def training_prompts(config: dict, workdir: Path) -> tuple[int | None, str]:
     stats, other = workdir / "data" / "prompts" / "stats.json", ""
     if stats.is_file():
         made = json.loads(stats.read_text())
-        if _same_prompts(made, config):
+        if same_prompts(made, config):
             return made["train"], str(stats)
         other = f"; {stats} is another dataset's or setting's, not used"
     n, source = _expected_prompts(config)
     return n, source + other
-
-
-PROMPT_KEYS = ("seed", "limit", "keep_system", "max_prompt_chars")  # what else makes stats.json's counts
-
-
-def _same_prompts(made: dict, config: dict) -> bool:
-    """Whether data/prompts/stats.json was made from this config's dataset and settings."""
-    from .data.prompts import dataset_path
-
-    d, path = config["dataset"], dataset_path(config)
-    return (made.get("path") in (path, str(Path(path).expanduser().resolve()))
-            and all(made.get(k) == d[k] for k in PROMPT_KEYS))
 
 
 def _expected_prompts(config: dict) -> tuple[int | None, str]:

@@ -175,3 +175,31 @@ def test_a_hub_target_not_cached_is_fetched_where_the_hub_answers_then_checked(t
     cfg = validate_config(toy_config("org/other"))
     skipped = check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
     assert any("no config.json for org/other" in note for note in skipped), skipped
+
+
+def test_the_longest_prompt_in_the_chat_template_plus_max_tokens_must_fit_the_context(tmp_path):
+    """Once prepare_prompts has run for this config, its longest prompt is counted with the target's chat template:
+    with max_tokens leaving too little room the run stops before generation (vLLM would refuse that request);
+    with room, it passes; stats made for another dataset are not read."""
+    from eaglenest.data.prompts import prepare_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": "What is 1 + 2?" * (1 if i else 20)}]} for i in range(6)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = validate_config(toy_config(str(ROOT / "toy/target"), dataset={"path": str(prompts), "heldout": 1},
+                                     server={"max_model_len": 512}, generation={"max_tokens": 300}))
+    d = cfg["dataset"]
+    stats = prepare_prompts(str(prompts), tmp_path / "data/prompts", heldout=1, seed=d["seed"], limit=d["limit"],
+                            keep_system=d["keep_system"], max_prompt_chars=d["max_prompt_chars"], progress=False)
+    longest = stats["longest_prompt"]
+    assert longest["chars"] == 280 and longest["messages"][0]["content"] == rows[0]["messages"][0]["content"]
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    line = str(e.value)
+    assert f"the longest prompt ({longest['id']}" in line and "generation.max_tokens 300" in line and "512" in line, line
+    assert (tmp_path / "data/prompts/longest_prompt.tokens.json").is_file(), "the count is kept for the next plan"
+    fits = validate_config(toy_config(str(ROOT / "toy/target"), dataset={"path": str(prompts), "heldout": 1},
+                                      server={"max_model_len": 512}, generation={"max_tokens": 100}))
+    check_config(fits, make_plan(fits, tmp_path, has_gpu=False), tmp_path)
+    other = validate_config(toy_config(str(ROOT / "toy/target"), server={"max_model_len": 512}, generation={"max_tokens": 300}))
+    check_config(other, make_plan(other, tmp_path, has_gpu=False), tmp_path)  # the toy's prompts: not prepared here

@@ -365,8 +365,12 @@ def test_stats_and_summary(tmp_path, capsys):
         "path": None, "split": None, "format": "conversations", "rows_read": 14, "kept": 12, "heldout": 2,
         "train": 5, "unused": 5, "shards": stats["shards"], "seed": 7, "limit": 5, "keep_system": False,
         "max_prompt_chars": 32000, "dropped": {"duplicate": 1, "empty": 1, "non_string": 0, "malformed": 0,
-                                               "too_long": 0}}
+                                               "too_long": 0}, "longest_prompt": stats["longest_prompt"]}
     assert sum(stats["shards"]) == 5
+    written = [json.loads(line) for f in sorted((tmp_path / "out").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    longest = max(written, key=lambda r: sum(len(m["content"]) for m in r["messages"]))
+    assert stats["longest_prompt"] == {"id": longest["id"], "chars": sum(len(m["content"]) for m in longest["messages"]),
+                                       "messages": longest["messages"]}
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("prompts: 12 kept of 14 rows (1 duplicate, 1 empty); "
                    "5 train in 2 shards (limit 5, 5 unused), 2 held out")

@@ -421,10 +421,29 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         "limit": limit,
         "keep_system": keep_system,
         "max_prompt_chars": max_prompt_chars,
+        "longest_prompt": _longest(ordered),
     }
     write_atomic(out / "stats.json", stats)
     say(summary(stats))
     return stats
+
+
+PROMPT_KEYS = ("seed", "limit", "keep_system", "max_prompt_chars")  # what else makes stats.json's counts
+
+
+def same_prompts(made: dict, config: dict) -> bool:
+    """Whether data/prompts/stats.json (``made``) was made from this config's dataset and settings."""
+    d, path = config["dataset"], dataset_path(config)
+    return (made.get("path") in (path, str(Path(path).expanduser().resolve()))
+            and all(made.get(k) == d[k] for k in PROMPT_KEYS))
+
+
+def _longest(ordered) -> dict:
+    """The longest kept prompt (by its line, a proxy for its characters): its id, messages and characters; the
+    checks count its tokens with the target's chat template against server.max_model_len (checks.check_longest_prompt)."""
+    pid, line = max(ordered, key=lambda item: len(item[1]))
+    messages = json.loads(line)["messages"]
+    return {"id": pid, "chars": sum(len(m.get("content") or "") for m in messages), "messages": messages}
 
 
 def _bad_line():
