@@ -283,9 +283,10 @@ def stage_hours(config: dict, plan: Plan, has_gpu: bool) -> dict:
     train_gpus = stage_gpus(config, "train", has_gpu)
     t = config["train"]
     if p["train_tokens_per_s"] and plan.state_tokens:
-        tokens = plan.state_tokens * t["epochs"]
-        out["training"] = (tokens / p["train_tokens_per_s"], train_gpus,
-                           f"{t['epochs']:g} epoch(s) at plan.train_tokens_per_s {p['train_tokens_per_s']:g}"
+        tokens, procs = plan.state_tokens * t["epochs"], t["nproc"] or max(1, train_gpus)  # one process a GPU
+        out["training"] = (tokens / (p["train_tokens_per_s"] * procs), train_gpus,
+                           f"{t['epochs']:g} epoch(s) at plan.train_tokens_per_s {p['train_tokens_per_s']:g} a process "
+                           f"x {procs}"
                            + (" (train.max_steps may stop it sooner)" if t["max_steps"] else ""))
     else:
         out["training"] = (None, train_gpus, "set plan.train_tokens_per_s")

@@ -160,6 +160,8 @@ def test_each_stage_has_a_time_and_gpu_hours_from_the_stated_rates(tmp_path):
     assert st["generation"][:2] == (100 * 64 / 32.0, 2)
     assert st["extraction"][:2] == (config["plan"]["server_start_s"] + plan.state_tokens / 1000.0, 2)
     assert st["training"][:2] == (2 * plan.state_tokens / 500.0, 1)
+    two = make_plan(changed(config, "train", "gpus", 2), tmp_path, has_gpu=True).stages["training"]
+    assert two[:2] == (2 * plan.state_tokens / (500.0 * 2), 2), "one process a GPU: half the time, the same GPU-hours"
     assert st["validation"][1] == 2 and st["validation"][0] > plan.validation["seconds"]  # the curve's starts added
     text = format_plan(plan)
     gpu_hours = sum(s * g for s, g, _ in st.values()) / 3600
