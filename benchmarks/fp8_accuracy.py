@@ -13,7 +13,7 @@ graph per run.
 
     PYTHONPATH=. python3 benchmarks/fp8_accuracy.py --steps 300 [--out DIR]
 
-On a CPU, `--emulate` runs the FP8 run with torchao's emulation (slow; a check of the plumbing,
+On a CPU, `--cpu-fp8` forces the FP8 run on (torch._scaled_mm runs there too; slow, a check of the plumbing,
 not of the GPU's arithmetic).
 """
 
@@ -111,16 +111,13 @@ def main():
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
-    p.add_argument("--emulate", action="store_true", help="CPU: the FP8 run through torchao's emulation")
+    p.add_argument("--cpu-fp8", action="store_true", help="CPU: the FP8 run forced on (a plumbing check)")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.emulate:  # the CPU plumbing check: FP8 forced on, emulated
-        import functools
-
-        from eaglenest.draft import fp8, train as train_mod
+    if a.cpu_fp8:  # the CPU plumbing check: FP8 forced on
+        from eaglenest.draft import train as train_mod
 
         train_mod.resolve_fp8 = lambda setting, device, capability=None: bool(setting)
-        train_mod.convert_to_fp8 = functools.partial(fp8.convert_to_fp8, emulate=True)
     # the toy's schedule (config.yaml), at --ttt TTT steps
     config = {"max_steps": a.steps, "batch_tokens": 4096, "lr": 0.001, "warmup_steps": min(20, a.steps // 10),
               "ttt_length": a.ttt, "seed": a.seed, "log_every": 10}

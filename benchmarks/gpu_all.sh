@@ -74,8 +74,8 @@ part e2e_llama8b 170 $PY benchmarks/bench_train_e2e.py --sizes llama8b --out "$O
 # 3. the peer, same call
 run_peer
 part e2e_kimi 200 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT" "${SMALL[@]}"
-# the default above is bf16 (train.fp8: false); the same run with FP8 products where the GPU has them
-part e2e_kimi_fp8 150 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT/fp8" --config '{"fp8": "auto"}' "${SMALL[@]}"
+# the default above has FP8 products where the GPU has them (train.fp8: auto); the same run in bf16
+part e2e_kimi_bf16 150 $PY benchmarks/bench_train_e2e.py --sizes kimi --out "$OUT/bf16" --config '{"fp8": false}' "${SMALL[@]}"
 # 4. extraction end to end (shard written) and its forward ceiling in the same process
 part extract 120 $PY benchmarks/bench_extract.py --seqs 64 --out "${TMPDIR:-/tmp}" "${SMALL[@]}"
 # 5. the step alone on GPU-resident tensors, the path train_draft picks by default

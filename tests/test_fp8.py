@@ -13,36 +13,49 @@ V, VD, H = 64, 32, 32
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
-def test_fp8_is_off_by_default_and_auto_takes_it_only_on_gpus_with_fp8_and_torchao():
-    assert resolve_config({})["fp8"] is False
+def test_fp8_is_auto_by_default_and_auto_takes_it_only_on_gpus_with_fp8():
+    assert resolve_config({})["fp8"] == "auto"
     assert fp8.resolve_fp8("auto", "cpu") is False
+    assert train.resolve_runtime(resolve_config({}), "cuda", capability=HOPPER)["fp8"] is True
     assert train.resolve_runtime(resolve_config({}), "cpu")["fp8"] is False
-    assert fp8.resolve_fp8("auto", "cuda:0", capability=AMPERE, has_torchao=True) is False
-    assert fp8.resolve_fp8("auto", "cuda:0", capability=(8, 9), has_torchao=True) is True
-    assert fp8.resolve_fp8("auto", "cuda", capability=HOPPER, has_torchao=True) is True
-    assert train.resolve_runtime(resolve_config({}), "cuda", capability=HOPPER)["fp8"] is fp8.torchao_available()
-    assert fp8.resolve_fp8(False, "cuda", capability=HOPPER, has_torchao=True) is False
-    assert fp8.resolve_fp8(True, "cuda", capability=HOPPER, has_torchao=True) is True
+    assert fp8.resolve_fp8("auto", "cuda:0", capability=AMPERE) is False
+    assert fp8.resolve_fp8("auto", "cuda:0", capability=(8, 9)) is True
+    assert fp8.resolve_fp8("auto", "cuda", capability=HOPPER) is True
+    assert fp8.resolve_fp8(False, "cuda", capability=HOPPER) is False
+    assert fp8.resolve_fp8(True, "cuda", capability=HOPPER) is True
 
 
-def test_fp8_auto_without_torchao_trains_in_bf16_with_one_line(capsys, monkeypatch):
-    monkeypatch.setattr(fp8, "_said_fallback", False)
-    assert fp8.resolve_fp8("auto", "cuda", capability=HOPPER, has_torchao=False) is False
-    assert fp8.resolve_fp8("auto", "cuda", capability=HOPPER, has_torchao=False) is False
-    said = capsys.readouterr().err
-    assert said.count("torchao is not installed") == 1 and "training in bf16" in said
-
-
-@pytest.mark.parametrize("device,capability,has_torchao,message", [
-    ("cpu", None, True, "train.fp8: true needs a CUDA GPU of capability 8.9"),
-    ("cuda:0", AMPERE, True, r"train.fp8: true needs a CUDA GPU .* here cuda:0, capability 8.0"),
-    ("cuda:0", HOPPER, False, r"train.fp8: true needs torchao, which is not installed: `pip install torchao=="),
+@pytest.mark.parametrize("device, capability, message", [
+    ("cpu", None, "train.fp8: true needs a CUDA GPU of capability 8.9"),
+    ("cuda:0", AMPERE, r"train.fp8: true needs a CUDA GPU .* here cuda:0, capability 8.0"),
 ])
-def test_fp8_true_where_it_cannot_run_says_what_to_do(device, capability, has_torchao, message):
+def test_fp8_true_where_it_cannot_run_says_what_to_do(device, capability, message):
     with pytest.raises(ValueError, match=message):
-        fp8.resolve_fp8(True, device, capability=capability, has_torchao=has_torchao)
+        fp8.resolve_fp8(True, device, capability=capability)
     with pytest.raises(ValueError, match="train.fp8 must be auto, true or false"):
         fp8.resolve_fp8("yes", device, capability=capability)
+
+
+def rel(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+@pytest.mark.parametrize("rows", [(3, 7), (32,)])  # 21 rows: padded to 32 for the weight gradient's product
+def test_float8_linears_match_bf16_products_and_their_gradients(rows):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*rows, 64, generator=g, requires_grad=True)
+    ws = [(torch.randn(n, 64, generator=g) * 0.1).requires_grad_() for n in (32, 48)]
+    got = fp8.float8_linears(x, *ws)
+    want = [torch.nn.functional.linear(x, w) for w in ws]
+    assert [o.shape for o in got] == [o.shape for o in want]
+    assert all(0 < rel(a, b) < 0.08 for a, b in zip(got, want))  # e4m3 keeps ~2 significant digits
+    loss = lambda outs: outs[0].square().sum() + outs[1].sum()  # noqa: E731
+    grads = torch.autograd.grad(loss(got), [x, *ws], retain_graph=True)
+    ref = torch.autograd.grad(loss(want), [x, *ws], retain_graph=True)
+    assert all(0 < rel(a, b) < 0.1 for a, b in zip(grads, ref)), [rel(a, b) for a, b in zip(grads, ref)]
+    # an output left out of the loss gives its weight no gradient and the input none from it
+    gx, gw0, gw1 = torch.autograd.grad(got[1].sum(), [x, *ws], allow_unused=True)
+    assert gw0 is None and rel(gx, torch.autograd.grad(want[1].sum(), x)[0]) < 0.1
 
 
 def make_model(intermediate_size):
@@ -58,27 +71,59 @@ def make_model(intermediate_size):
     return model
 
 
-def test_fp8_swaps_the_large_products_only_and_keeps_the_checkpoint():
-    pytest.importorskip("torchao.float8")
+def test_fp8_switches_the_large_products_only_and_keeps_the_checkpoint():
     model = make_model(intermediate_size=40)  # the MLP's 40 is no multiple of 16: it stays bf16
     ref = copy.deepcopy(model)
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    swapped = fp8.convert_to_fp8(model, emulate=True)  # torchao's FP8 emulation: runs on CPU
-    assert swapped == ["fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
-                       "midlayer.self_attn.o_proj"]
-    assert [type(getattr(model.midlayer.self_attn, n)).__name__ for n in ("q_proj", "o_proj")] == ["Float8Linear"] * 2
-    assert type(model.midlayer.mlp.up_proj) is torch.nn.Linear and type(model.lm_head) is torch.nn.Linear
+    switched = fp8.use_fp8(model)
+    assert switched == ["fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
+                        "midlayer.self_attn.o_proj"]
+    assert not any(getattr(m, "fp8", False) for m in (model.midlayer.mlp.up_proj, model.lm_head))
     # the same parameter objects (the optimizer's), and state_dict() as before: keys, shapes, dtypes, values
     assert all(p is params[n] for n, p in model.named_parameters()) and list(params) == [n for n, _ in model.named_parameters()]
     after = model.state_dict()
     assert list(after) == list(state)
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in state.items())
-    # and the products now run in (emulated) e4m3: close to the unconverted model, not equal to it
+    # and the products now run in e4m3 (torch._scaled_mm runs on CPU too): close to the bf16 model, not equal
     g = torch.Generator().manual_seed(1)
     ids, aux = torch.randint(0, V, (2, 16), generator=g), torch.randn(2, 16, 3 * H, generator=g)
     got, want = model(ids, aux, ttt_length=3), ref(ids, aux, ttt_length=3)
-    rel = [float((a - b).detach().norm() / b.detach().norm()) for a, b in zip(got, want)]
-    assert all(0 < r < 0.15 for r in rel), rel
+    rels = [rel(a, b) for a, b in zip(got, want)]
+    assert all(0 < r < 0.15 for r in rels), rels
     sum(o.square().sum() for o in got).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in model.named_parameters() if n != "lm_head.weight")
+
+
+def test_fp8_on_the_split_step_path_casts_each_weight_once_a_step_and_learns_like_bf16(monkeypatch):
+    """The GPU's default path (flex layout, per-step weight aliases, diagonal split, unscored positions
+    skipped; dense masks on CPU): the layer's FP8 weights are cast once per forward (``weight_casts``),
+    not again in any TTT step or in backward, and loss and gradients stay close to bf16's."""
+    from eaglenest.draft.model import Runtime
+
+    torch.manual_seed(0)
+    model = make_model(intermediate_size=48)
+    model.runtime = Runtime(attention="flex", fused_loss=True, split_step_grads=True, diag_split=True, skip_unscored=True)
+    ref = copy.deepcopy(model)
+    fp8.use_fp8(model)
+    B, T = 2, 128
+    g = torch.Generator().manual_seed(2)
+    ids, aux = torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, 3 * H, generator=g)
+    rows = torch.nonzero((torch.rand(B, T, generator=g) > 0.3).flatten()).squeeze(1)
+    targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD, generator=g), -1),
+               "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),), generator=g)],
+               "in_draft": torch.ones(len(rows), dtype=torch.bool)}
+    layer_weights = {p.data_ptr() for n, p in model.named_parameters() if n.startswith("midlayer.") and p.dim() == 2}
+    cast_weights = []
+    real_cast = fp8._cast
+    monkeypatch.setattr(fp8, "_cast", lambda t, dtype: cast_weights.append(t.data_ptr() in layer_weights) or real_cast(t, dtype))
+    loss, _ = model(ids, aux, targets, ttt_length=3, chunk=50)
+    loss.backward()
+    assert sum(cast_weights) == len(layer_weights)  # q, k, v, o, gate, up, down: once each, for the 3 steps and backward
+    want, _ = ref(ids, aux, targets, ttt_length=3, chunk=50)
+    want.backward()
+    assert 0 < rel(loss, want) < 0.05
+    got_grads, ref_grads = dict(model.named_parameters()), dict(ref.named_parameters())
+    for n, p in ref_grads.items():
+        if p.grad is not None:
+            assert rel(got_grads[n].grad, p.grad) < 0.2, n

@@ -1,40 +1,33 @@
 """FP8 (e4m3) training of the draft's large matrix products on GPUs that have FP8 tensor cores.
 
-``train.fp8`` (auto | true | false) resolves here (``resolve_fp8``) and ``convert_to_fp8`` swaps
-the chosen ``nn.Linear`` modules for torchao's ``Float8Linear``: each product casts its input and
-weight to e4m3 (the gradient of the output to e5m2 in backward) with one dynamic scale per tensor,
-and runs on the FP8 tensor cores; the weights stay the bf16 ``nn.Parameter``s they were (the same
-objects, so the optimizer's fp32 masters and bf16 moments, ``state_dict()`` and the checkpoint are
-unchanged). Per-tensor ("tensorwise") scaling rather than per-row: torchao's rowwise kernel was
-slower than bf16 at the draft's shapes on an H200, the tensorwise one faster (issue 41 has the
-probe); per-tensor scales are recomputed from each tensor's amax at every call, which keeps
-training stable for the draft's sizes (``benchmarks/fp8_accuracy.py`` compares it with bf16).
+``train.fp8`` (auto | true | false) resolves here (``resolve_fp8``); ``use_fp8`` switches the chosen
+Linears of a draft to ``float8_linears``: per product, the input and the weight are cast to e4m3 (the
+output's gradient to e5m2 in backward) with one scale per tensor taken from its amax at every call,
+and multiplied by ``torch._scaled_mm`` on the FP8 tensor cores, with bf16 results. The weights stay
+the bf16 ``nn.Parameter``s they were (the optimizer's fp32 masters and moments, ``state_dict()`` and
+the checkpoint are unchanged); they are cast again in backward rather than kept in e4m3, and the
+input is kept for backward in e4m3 (half its bf16 bytes). Products that read the same input (q/k/v,
+the MLP's gate/up) cast and keep it once (``layers.project``).
 
-Which products: fc (3·Ht -> H), q/k/v/o and the MLP's gate/up/down. Not lm_head: the loss multiplies
-by ``lm_head.weight`` itself (``losses.py``), never through the module, so swapping it would change
-nothing. Only Linears whose both dimensions are multiples of 16 (what FP8 matrix products need).
-
-torchao is imported only here and only when FP8 is on: it is not in the CPU lock, and on a GPU
-without it ``auto`` trains in bf16 (one log line) while ``true`` stops with what to install.
+Per-tensor scales rather than per-row: per-row scaling was slower than bf16 at the draft's shapes on
+an H200 (docs/fp8.md). Which products: fc (3·Ht -> H), q/k/v/o and the MLP's gate/up/down. Not
+lm_head: the loss multiplies by ``lm_head.weight`` itself (``losses.py``). Only Linears whose both
+dimensions are multiples of 16 (what FP8 matrix products need); a group runs in FP8 only when all its
+Linears do.
 """
 
-import importlib.util
+import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from ..util import say
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 FP8_MODULES = ("fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
                "midlayer.self_attn.o_proj", "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj", "midlayer.mlp.down_proj")
-TORCHAO = "torchao==0.18.0"  # the version checked against the GPU machine's torch (2.11)
-
-_said_fallback = False
-
-
-def torchao_available():
-    return importlib.util.find_spec("torchao") is not None
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CAST, SCALE = "fp8_weight", "fp8_scale"  # the buffers of a switched Linear that hold its weight's e4m3 copy
+ROWS = 16  # the inner dimension of an FP8 product is a multiple of 16: the weight gradient's is the rows
 
 
 def device_capability(device):
@@ -44,10 +37,10 @@ def device_capability(device):
     return torch.cuda.get_device_capability(torch.device(device))
 
 
-def resolve_fp8(setting, device, capability=None, has_torchao=None):
+def resolve_fp8(setting, device, capability=None):
     """``train.fp8`` made concrete (a bool) for ``device``: auto is on where the GPU has FP8 tensor
-    cores (``capability``, default: the device's own) and torchao is installed. ``true`` where
-    either is missing raises, naming the key and what to do."""
+    cores (``capability``, default: the device's own). ``true`` where it has none raises, naming the
+    key and what to do."""
     if setting not in ("auto", True, False):
         raise ValueError(f"train.fp8 must be auto, true or false, got {setting!r}")
     if setting is False:
@@ -55,46 +48,118 @@ def resolve_fp8(setting, device, capability=None, has_torchao=None):
     if capability is None:
         capability = device_capability(device)
     capable = capability is not None and tuple(capability) >= MIN_CAPABILITY
-    if not capable:
-        if setting is True:
-            where = f"{device}, capability {capability[0]}.{capability[1]}" if capability else str(device)
-            raise ValueError(f"train.fp8: true needs a CUDA GPU of capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                             f"or newer (Ada, Hopper), here {where}; set train.fp8 to auto or false")
-        return False
-    if has_torchao is None:
-        has_torchao = torchao_available()
-    if not has_torchao:
-        if setting is True:
-            raise ValueError(f"train.fp8: true needs torchao, which is not installed: `pip install {TORCHAO}` "
-                             "(see pyproject.toml's gpu extra), or set train.fp8 to auto or false")
-        global _said_fallback
-        if not _said_fallback:
-            say(f"train_draft: the GPU has FP8 but torchao is not installed: training in bf16 (pip install {TORCHAO} "
-                "for FP8 products; train.fp8: false silences this)")
-            _said_fallback = True
-        return False
-    return True
+    if not capable and setting is True:
+        where = f"{device}, capability {capability[0]}.{capability[1]}" if capability else str(device)
+        raise ValueError(f"train.fp8: true needs a CUDA GPU of capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                         f"or newer (Ada, Hopper), here {where}; set train.fp8 to auto or false")
+    return capable
 
 
 def fp8_module(module, name):
-    """Whether ``convert_to_fp8`` swaps ``module`` (named ``name`` in the draft)."""
-    return (isinstance(module, nn.Linear) and name in FP8_MODULES
+    """Whether ``use_fp8`` switches ``module`` (named ``name`` in the draft)."""
+    return (isinstance(module, nn.Linear) and module.bias is None and name in FP8_MODULES
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def convert_to_fp8(model, emulate=False):
-    """Swap the draft's large Linears for torchao's Float8Linear (tensorwise scaling), in place;
-    call it after ``model.to(device)`` and before the step is compiled. ``emulate``: torchao's FP8
-    emulation, for CPU tests. -> the names swapped."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    swapped = []
-
-    def take(module, name):
+def use_fp8(model):
+    """Switch the draft's large Linears to FP8 products (``layers.project`` reads ``module.fp8``), in
+    place, after ``model.to(device)`` and before the step is compiled. Each gets two empty buffers
+    (not saved) that a TTT step fills with the weight's e4m3 copy (``weight_casts``). -> the names."""
+    switched = []
+    for name, module in model.named_modules():
         if fp8_module(module, name):
-            swapped.append(name)
-            return True
-        return False
+            module.fp8 = True
+            module.register_buffer(CAST, torch.empty(0, dtype=E4M3, device=module.weight.device), persistent=False)
+            module.register_buffer(SCALE, torch.empty(0, device=module.weight.device), persistent=False)
+            switched.append(name)
+    return switched
 
-    convert_to_float8_training(model, module_filter_fn=take, config=Float8LinearConfig(emulate=emulate))
-    return swapped
+
+def weight_casts(model, prefix="midlayer."):
+    """The e4m3 copies of the FP8 Linears' weights under ``prefix`` and their inverse scales, by buffer
+    name (``<module>.fp8_weight``, ``<module>.fp8_scale``): made once per training step and handed to
+    every TTT step with its weights (the weights do not change between the steps), instead of each
+    step casting them again, forward and backward. Empty without FP8 Linears."""
+    names = [n for n, m in model.named_modules() if getattr(m, "fp8", False) and n.startswith(prefix)]
+    if not names:
+        return {}
+    weights = [model.get_submodule(n).weight for n in names]
+    cast = _compiled_casts() if weights[0].is_cuda else _casts
+    with torch.no_grad():
+        out = {}
+        for n, (w8, scale) in zip(names, cast(weights)):
+            out[f"{n}.{CAST}"], out[f"{n}.{SCALE}"] = w8, scale
+    return out
+
+
+def _casts(weights):
+    return [_cast(w, E4M3) for w in weights]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_casts():
+    """``_casts`` as one compiled graph (fused amax and cast, no float32 copy of a weight)."""
+    return torch.compile(_casts, dynamic=False, fullgraph=True)
+
+
+def _cast(t, dtype):
+    """``t`` [M, K] scaled so that its largest magnitude lands on ``dtype``'s, in ``dtype``, and the
+    inverse scale (a float32 scalar tensor, what ``_scaled_mm`` multiplies back)."""
+    top = torch.finfo(dtype).max
+    amax = t.abs().amax().float().clamp(min=1e-12)
+    scale = top / amax
+    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _rows_padded(t):
+    """``t`` [M, K] with zero rows added up to a multiple of ROWS (zeros change no amax or product)."""
+    pad = -t.shape[0] % ROWS
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class _Float8Linears(torch.autograd.Function):
+    """x [..., K] times each weight [N_i, K] transposed, in e4m3 with per-tensor scales -> one output
+    [..., N_i] per weight (bf16, x's dtype). ``casts``: the weights' e4m3 copies and inverse scales
+    (``weight_casts``), or empty to cast them here. Backward: e5m2 output gradients; x kept in e4m3."""
+
+    @staticmethod
+    def forward(ctx, x, n, *tensors):
+        weights, casts = tensors[:n], tensors[n:]
+        if not casts:
+            casts = [t for w in weights for t in _cast(w, E4M3)]
+        lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        x8, sx = _cast(_rows_padded(rows), E4M3)
+        outs = []
+        for w, w8, sw in zip(weights, casts[0::2], casts[1::2]):
+            out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+            outs.append(out[: rows.shape[0]].view(*lead, w.shape[0]))
+        ctx.save_for_backward(x8, sx, *weights, *(tensors[n:]))
+        ctx.set_materialize_grads(False)  # an output nothing used: None, no product
+        ctx.lead, ctx.m, ctx.n = lead, rows.shape[0], n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x8, sx, *tensors = ctx.saved_tensors
+        weights, casts = tensors[: ctx.n], tensors[ctx.n :]
+        grad_x, grad_ws = None, []
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                grad_ws.append(None)
+                continue
+            g8, sg = _cast(_rows_padded(g.reshape(-1, g.shape[-1])), E5M2)
+            if ctx.needs_input_grad[0]:
+                w8, sw = (casts[2 * i], casts[2 * i + 1]) if casts else _cast(w, E4M3)
+                part = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=sg, scale_b=sw, out_dtype=g.dtype)
+                grad_x = part if grad_x is None else grad_x + part
+            grad_ws.append(torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=sg, scale_b=sx,
+                                            out_dtype=w.dtype) if ctx.needs_input_grad[2 + i] else None)
+        if grad_x is not None:
+            grad_x = grad_x[: ctx.m].view(*ctx.lead, -1)
+        return (grad_x, None, *grad_ws, *([None] * len(casts)))
+
+
+def float8_linears(x, *weights, casts=()):
+    """``tuple(F.linear(x, w) for w in weights)`` with e4m3 products (``_Float8Linears``); ``casts``:
+    the weights' (e4m3 copy, inverse scale) pairs, flat, when made ahead (``weight_casts``)."""
+    return _Float8Linears.apply(x, len(weights), *weights, *casts)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from .config import DraftConfig
+from .fp8 import CAST, SCALE, float8_linears
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
@@ -34,6 +35,15 @@ FLEX_KERNEL_OPTIONS = {}
 def flex_kernel_options(q):
     return dict(FLEX_KERNEL_OPTIONS) if q.device.type == "cuda" and FLEX_KERNEL_OPTIONS else None
 
+
+
+def project(x, *linears):
+    """``x`` through each of ``linears`` (bias-free nn.Linear) -> a tuple of outputs; in FP8 products,
+    with ``x`` cast once for all of them, where ``fp8.use_fp8`` switched every one of them."""
+    if all(getattr(m, "fp8", False) for m in linears):
+        casts = [t for m in linears for t in (getattr(m, CAST), getattr(m, SCALE))]
+        return float8_linears(x, *(m.weight for m in linears), casts=casts if all(c.numel() for c in casts) else ())
+    return tuple(m(x) for m in linears)
 
 
 class RMSNorm(nn.Module):
@@ -65,9 +75,10 @@ class Attention(nn.Module):
     def qkv(self, x, cos, sin):
         """x [B, S, 2H] -> q [B, nH, S, hd], k and v [B, nKV, S, hd], rope (neox style) applied."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B|1, 1, S, hd]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
@@ -82,7 +93,7 @@ class Attention(nn.Module):
             out = _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.n_head != self.n_kv,
                                              kernel_options=flex_kernel_options(q))
         B, _, S, _ = q.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return project(out.transpose(1, 2).reshape(B, S, -1), self.o_proj)[0]
 
     def causal_lse(self, q, k0, v0, causal):
         """Attention of ``q`` [B, nH, S, hd] over step 0's keys [B, nKV, S, hd] under ``causal`` (a
@@ -118,7 +129,7 @@ class Attention(nn.Module):
         m = torch.cat([lse_c.unsqueeze(1), s], dim=1).logsumexp(1)  # [N, nKV, g]
         out = torch.exp(lse_c - m).unsqueeze(-1) * out_c.view(N, self.n_kv, g, hd).float()
         out = out + (torch.exp(s - m.unsqueeze(1)).unsqueeze(-1) * vd.float().unsqueeze(3)).sum(1)
-        return self.o_proj(out.to(q.dtype).reshape(N, nh * hd))
+        return project(out.to(q.dtype).reshape(N, nh * hd), self.o_proj)[0]
 
     def attend_ttt(self, q, keys, values, causal, valid):
         """TTT attention over the key buffer [B, nKV, J·S, hd] in two parts: the causal part over
@@ -139,7 +150,7 @@ class Attention(nn.Module):
         m = torch.cat([lse_c.unsqueeze(3), s], dim=3).logsumexp(3)  # [B, nKV, g, S]
         out = torch.exp(lse_c - m).unsqueeze(-1) * out_c.view(B, self.n_kv, g, S, hd).float()
         out = out + (torch.exp(s - m.unsqueeze(3)).unsqueeze(-1) * vd.unsqueeze(2)).sum(3)
-        return self.o_proj(out.to(q.dtype).view(B, nh, S, hd).transpose(1, 2).reshape(B, S, -1))
+        return project(out.to(q.dtype).view(B, nh, S, hd).transpose(1, 2).reshape(B, S, -1), self.o_proj)[0]
 
 
 class MLP(nn.Module):
@@ -150,7 +161,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return project(F.silu(gate) * up, self.down_proj)[0]
 
 
 class DecoderLayer(nn.Module):

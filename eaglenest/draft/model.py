@@ -30,9 +30,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import DraftConfig
-from .layers import DecoderLayer, RMSNorm
+from .fp8 import weight_casts
+from .layers import DecoderLayer, RMSNorm, project
 from .losses import ttt_loss, ttt_loss_fused
-from .ttt import (GatherRows, StepGrads, causal_block_mask, mark_chains_dynamic, step_weights, token_embeds_ids,
+from .ttt import (GatherRows, StepGrads, StepInputs, causal_block_mask, mark_chains_dynamic, token_embeds_ids,
                   ttt_block_masks, ttt_chains, ttt_mask)
 from .vllm_format import draft_to_target_ids
 
@@ -157,7 +158,7 @@ class Eagle3Draft(nn.Module):
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
         B, T = input_ids.shape
-        hidden = self.fc(aux_hidden)
+        hidden = project(aux_hidden, self.fc)[0]
         base = torch.arange(T, device=input_ids.device)
         past, outs = [], []
         for j in range(ttt_length):
@@ -177,7 +178,7 @@ class Eagle3Draft(nn.Module):
         steps after step 0 run at those flat positions only (``_ttt_chains``)."""
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
-        hidden = self.fc(aux_hidden)
+        hidden = project(aux_hidden, self.fc)[0]
         device = input_ids.device
         valid = [None] * ttt_length
         if self.runtime.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
@@ -198,17 +199,19 @@ class Eagle3Draft(nn.Module):
         shared = self.step_params() if self.runtime.split_step_grads and grad else None
         outs = []
         collect = StepGrads(list(shared.values()), compiled=self.runtime.compiled) if shared else None
+        if shared:  # FP8 Linears: their weights cast once for all the steps, handed over like the aliases
+            shared = StepInputs(shared, collect, weight_casts(self))
         for j in range(ttt_length if chains is None else 1):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps
             hidden, normed, k_buf, v_buf = step(embeds_all[:, j : j + T], hidden, cos, sin, k_buf, v_buf, base + j * T, masks[j],
-                                                step_weights(shared, collect), valid[j])
+                                                shared and shared.weights(), valid[j])
             outs.append(normed)
         if chains is not None:
-            outs += self._ttt_chains(hidden, embeds_all, k_buf[:, :, :T], v_buf[:, :, :T], masks[0], chains, ttt_length, shared, collect)
+            outs += self._ttt_chains(hidden, embeds_all, k_buf[:, :, :T], v_buf[:, :, :T], masks[0], chains, ttt_length, shared)
         return outs
 
-    def _ttt_chains(self, hidden, embeds_all, k0, v0, mask, chains, ttt_length, shared, collect):
+    def _ttt_chains(self, hidden, embeds_all, k0, v0, mask, chains, ttt_length, shared):
         """Steps 1..J-1 at the flat positions ``chains`` [N] only, from step 0's pre-norm output
         ``hidden`` [B, T, H] and keys ``k0``, ``v0``; the chains' own keys live in [N, J-1, nKV, hd]
         buffers. Compiled, N is a dynamic dimension: one graph serves every batch of the same [B, T].
@@ -229,7 +232,7 @@ class Eagle3Draft(nn.Module):
             args = (flat_embeds, e_rows + j, h, cos, sin, k0, v0, kd, vd, steps[j - 1 : j] - 1, chains)
             if self.runtime.compiled:
                 mark_chains_dynamic(args)
-            h, normed, kd, vd = step(*args, mask, step_weights(shared, collect), steps <= j)
+            h, normed, kd, vd = step(*args, mask, shared and shared.weights(), steps <= j)
             outs.append(normed)
         return outs
 

@@ -32,7 +32,7 @@ from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
-from .fp8 import convert_to_fp8, resolve_fp8
+from .fp8 import resolve_fp8, use_fp8
 from .metrics import Metrics, write_metrics
 from .model import Eagle3Draft, Runtime
 from .optim import MasterAdamW, clip_and_step
@@ -344,7 +344,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         model.lm_head.weight.requires_grad_(False)
     model.to(device)
     if cfg["fp8"]:  # before the step compiles; the weights stay the same bf16 parameters
-        convert_to_fp8(model)
+        use_fp8(model)
     draft_ids = model.draft_ids()
     target = (target_head_rows(head, shards, draft_ids, info, device, rank), draft_ids, model.t2d)
     del head

@@ -2,6 +2,7 @@
 BlockMasks), which positions still carry a scored token (``ttt_chains``), and the per-step gradient
 aliases of ``split_step_grads``."""
 
+import dataclasses
 import functools
 
 import torch
@@ -94,6 +95,20 @@ def step_weights(shared, collect):
     for i, w in enumerate(weights.values()):
         w.register_post_accumulate_grad_hook(collect.hook(i))
     return weights
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """What ``split_step_grads`` hands every TTT step in place of the parameters: its own aliases of
+    ``shared`` (``step_weights``, gradients into ``collect``) and ``casts``, tensors made once per
+    training step (``fp8.weight_casts``), by name."""
+
+    shared: dict
+    collect: "StepGrads"
+    casts: dict
+
+    def weights(self):
+        return {**step_weights(self.shared, self.collect), **self.casts}
 
 
 class StepGrads:
