@@ -337,7 +337,7 @@ def train_step(inputs: StepInputs, lr):
     return epoch, sums, grad_norm, n_tok
 
 
-def build_draft(dcfg, cfg, head, d2t, t2d, device, world):
+def _build_draft(dcfg, cfg, head, d2t, t2d, device, world):
     """The draft on ``device`` -> (model, the target's embedding table in host memory): seeded, its head and
     norm from the target's where ``init_from_target``, its lm_head frozen where ``freeze_lm_head``, its
     products FP8 where ``fp8``."""
@@ -356,7 +356,7 @@ def build_draft(dcfg, cfg, head, d2t, t2d, device, world):
     return model, embed_table
 
 
-def wrap_ddp(model, world, local_rank, on_gpu):
+def _wrap_ddp(model, world, local_rank, on_gpu):
     """What the steps run through: ``model`` itself in one process, else its DDP wrapper."""
     if world == 1:
         return model
@@ -366,7 +366,7 @@ def wrap_ddp(model, world, local_rank, on_gpu):
     return ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
 
 
-def describe_runtime(cfg, runtime: Runtime) -> str:
+def _describe_runtime(cfg, runtime: Runtime) -> str:
     """How this run trains, for the log's first line."""
     return (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
             f"{cfg['bf16_weights']}, fp8 products {cfg['fp8']}, step grads split {runtime.split_step_grads}, diagonal split "
@@ -412,7 +412,7 @@ def _save_resume_point(inputs: StepInputs, run: _Run, step, rows):
     _save_state(run.state_dir, step, state, inputs.cfg["keep_states"])
 
 
-def train_steps(inputs: StepInputs, run: _Run, step, metrics: Metrics, rank) -> int:
+def _train_steps(inputs: StepInputs, run: _Run, step, metrics: Metrics, rank) -> int:
     """The optimizer steps from ``step`` to the run's last (the loader closed after them); rank 0 keeps
     the drafts along training and the resume points as it passes them -> the step reached."""
     cfg, total_steps = inputs.cfg, run.total_steps
@@ -487,13 +487,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     shards = open_states(hidden_paths, stream, info, t2d, vocab_path, head_path)
     cfg = resolve_runtime(cfg, device)
     dcfg = draft_config(info, len(d2t), cfg)
-    model, embed_table = build_draft(dcfg, cfg, head, d2t, t2d, device, world)
+    model, embed_table = _build_draft(dcfg, cfg, head, d2t, t2d, device, world)
     draft_ids = model.draft_ids()
     target = (target_head_rows(head, shards, draft_ids, info, device, rank), draft_ids, model.t2d)
     del head
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(model, cfg, on_gpu)
-    trainable = wrap_ddp(model, world, local_rank, on_gpu)
+    trainable = _wrap_ddp(model, world, local_rank, on_gpu)
 
     # where this run stands: its steps, and the resume point it left if it was killed
     lengths = [shards.length(k) for k in range(len(shards))]
@@ -507,7 +507,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
-    how = describe_runtime(cfg, model.runtime)
+    how = _describe_runtime(cfg, model.runtime)
     if cfg["compile"]:
         shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
         configure_compile(shapes)
@@ -521,7 +521,7 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     # the loop
     bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
     metrics = Metrics(rows, cfg, device, bar)
-    step = train_steps(inputs, run, step, metrics, rank)
+    step = _train_steps(inputs, run, step, metrics, rank)
     metrics.flush()
     if stream is not None:
         say(shards.summary())
