@@ -374,6 +374,13 @@ def _describe_runtime(cfg, runtime: Runtime) -> str:
             f"{'frozen' if cfg['freeze_lm_head'] else 'trained'}")
 
 
+def _prepare_compile(lengths, cfg, start, remaining, world) -> str:
+    """Let dynamo compile one graph per batch shape of the rest of the run (``configure_compile``) -> the log's note."""
+    shapes = run_shapes(lengths, cfg, start, remaining, world)
+    configure_compile(shapes)
+    return f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """Where a run stands and what its checkpoints carry."""
@@ -388,6 +395,14 @@ class _Run:
     """The draft's ``checkpoint.draft_config``."""
     info: dict
     """The target's facts (``target.load_target_head``)."""
+
+    @classmethod
+    def of(cls, total_steps, fingerprint, state_dir, n_snapshots, dcfg, info):
+        """The run's facts, its ``state_dir`` made, its ``n_snapshots`` drafts along training placed (``snapshot_steps``)."""
+        state_dir = Path(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, n_snapshots))]
+        return cls(total_steps, fingerprint, state_dir, snapshots, dcfg, info)
 
 
 def _keep_snapshot(path, inputs: StepInputs, run: _Run, step, rows):
@@ -499,19 +514,13 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = count_steps(lengths, cfg, world)
     accum, J = cfg["grad_accum"], cfg["ttt_length"]
-    fingerprint = _fingerprint(cfg, shards, vocab_path, head_path, world)
-    state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, len(snapshot_paths)))]
-    run = _Run(total_steps, fingerprint, state_dir, snapshots, dcfg, info)
-    step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots)
+    run = _Run.of(total_steps, _fingerprint(cfg, shards, vocab_path, head_path, world), state_dir, len(snapshot_paths), dcfg, info)
+    step, rows, resumed_from = resume(run.state_dir, run.fingerprint, model, opt, device, total_steps, run.snapshots)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = _describe_runtime(cfg, model.runtime)
     if cfg["compile"]:
-        shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
-        configure_compile(shapes)
-        how += f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
+        how += _prepare_compile(lengths, cfg, step * accum * world, remaining, world)
     if rank == 0:
         say(f"train_draft: {device}, {how}")
     loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world,
@@ -536,10 +545,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        say(
-            f"train_draft: {step} steps, {metrics.tokens} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
-            f"loss {stats['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}"
-        )
+        say(f"train_draft: {step} steps, {metrics.tokens} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
+            f"loss {stats['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}")
     return stats
 
 
