@@ -33,6 +33,7 @@ from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .config import DraftConfig
 from .fp8 import convert_to_fp8, resolve_fp8
 from .metrics import Metrics, write_metrics
 from .model import Eagle3Draft, Runtime
@@ -391,7 +392,7 @@ class _Run:
     state_dir: Path
     snapshots: list
     """(step, file in ``state_dir``) of each draft kept along training."""
-    dcfg: object
+    dcfg: DraftConfig
     """The draft's ``checkpoint.draft_config``."""
     info: dict
     """The target's facts (``target.load_target_head``)."""
