@@ -403,3 +403,26 @@ def test_a_resume_point_whose_kept_draft_is_gone_is_not_used(data, tmp_path, mon
                         head_path=data["head_path"], config=CONFIG, state_dir=out / ".train_state", device="cpu",
                         progress=False, snapshot_paths=paths)
     assert stats["resumed_from"] == 2 and load_checkpoint(paths[0])[3]["step"] == 3
+
+
+def test_batches_carry_the_loss_plan_of_the_models_runtime(data):
+    """The loader reads the model's resolved Runtime, not the config: the fused loss's plan, with the chains
+    only where the model runs the later TTT steps at them (skip_unscored on the flex path with diag_split)."""
+    from eaglenest.states.hidden import HiddenShards
+
+    shards = HiddenShards(data["hidden_paths"])
+    lengths = [shards.length(k) for k in range(len(shards))]
+
+    def first_batch(runtime):
+        loader = batching.BatchLoader(shards, lengths, resolve_config({"batch_tokens": 200}), start=0, count=1, rank=0,
+                                      world=1, device="cpu", ttt_length=3, embed_table=torch.zeros(100, 8), runtime=runtime)
+        try:
+            return loader.next()[2]
+        finally:
+            loader.close()
+
+    assert "plan" not in first_batch(Runtime())
+    assert "chains" not in first_batch(Runtime(fused_loss=True))["plan"]
+    assert "chains" not in first_batch(Runtime(attention="flex", fused_loss=True, skip_unscored=True))["plan"]  # no diag_split
+    chained = first_batch(Runtime(attention="flex", diag_split=True, skip_unscored=True))
+    assert len(chained["plan"]["chains"]) > 0 and "rows" in chained

@@ -307,20 +307,7 @@ def _json_rows(path: str, files: list[str]):
 # The stage
 
 
-def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
-                    heldout: int = 0, seed: int = 0, keep_system: bool = False,
-                    max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
-                    progress: bool = True, subset: str | None = None) -> dict:
-    """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
-
-    path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
-    Hugging Face hub dataset name (loaded with `split`, and `subset`: the dataset's configuration,
-    e.g. "main" for openai/gsm8k). `cache_dir`: where `datasets` keeps its Arrow
-    copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
-    default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
-    PromptsError when the dataset cannot be read, has no question column, or no row survives.
-    """
-    path = str(path)
+def _check_sizes(shards, limit, heldout) -> None:
     if not isinstance(shards, int) or shards < 1:
         raise PromptsError(f"shards must be a positive integer, got {shards!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -328,6 +315,9 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
     if not isinstance(heldout, int) or heldout < 0:
         raise PromptsError(f"heldout must be an integer >= 0, got {heldout!r}")
 
+
+def _open_dataset(path: str, split: str, cache_dir, subset, progress: bool):
+    """(rows, n_rows, the question column) of the dataset; PromptsError when it is empty or has no question column."""
     with _datasets_progress(progress):
         rows, n_rows, columns = _load(path, split, cache_dir, subset)
     if n_rows == 0:
@@ -339,25 +329,34 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
             f"dataset {path!r}: no question column; found columns {columns}{hint}. Expected one of: "
             f"conversations ([{{from, value}}] turns), messages ([{{role, content}}] turns), prompt, "
             f"question, instruction. Rename the column that holds the question to 'prompt'.")
+    return rows, n_rows, fmt
 
-    # One pass: extract, drop, dedupe. Keep only what can be selected: with a limit, a bounded heap
-    # of the heldout+limit first prompts in shuffle order, so a 1M-row dataset costs its ids in memory.
+
+def _row_messages(row, fmt, keep_system, max_prompt_chars, seen) -> tuple[list[dict], str]:
+    """(the kept messages of one row, their id); RowError (its reason) when the row is dropped."""
+    messages = extract_messages(row, keep_system, fmt=fmt) if row is not _BAD_LINE else _bad_line()
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > max_prompt_chars:
+        raise RowError("too_long", f"{chars} characters > max_prompt_chars {max_prompt_chars}")
+    pid = prompt_id(messages)
+    if pid in seen:
+        raise RowError("duplicate", f"same content as an earlier row (id {pid})")
+    return messages, pid
+
+
+def _select(rows, n_rows, fmt, path, *, keep_system, max_prompt_chars, seed, cap, progress):
+    """One pass: extract, drop, dedupe -> (``[(id, line)]`` in shuffle order, the kept count, the drops by
+    reason, an example of each reason). Keeps only what can be selected: with a ``cap`` (heldout + limit),
+    a bounded heap of the first ``cap`` prompts in shuffle order, so a 1M-row dataset costs its ids in memory."""
     dropped = Counter({r: 0 for r in REASONS})
     examples: dict[str, str] = {}  # first reason detail per reason, for the all-dropped error
     seen: set[str] = set()
-    cap = None if limit is None else heldout + limit
     chosen: list = []  # (key, id, line) when cap is None, else a max-heap of (inverted key, id, line)
     bar = _bar(n_rows, progress)
     for row in rows:
         bar.update(1)
         try:
-            messages = extract_messages(row, keep_system, fmt=fmt) if row is not _BAD_LINE else _bad_line()
-            chars = sum(len(m["content"]) for m in messages)
-            if chars > max_prompt_chars:
-                raise RowError("too_long", f"{chars} characters > max_prompt_chars {max_prompt_chars}")
-            pid = prompt_id(messages)
-            if pid in seen:
-                raise RowError("duplicate", f"same content as an earlier row (id {pid})")
+            messages, pid = _row_messages(row, fmt, keep_system, max_prompt_chars, seen)
         except RowError as e:
             dropped[e.reason] += 1
             examples.setdefault(e.reason, str(e))
@@ -376,24 +375,13 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
             elif item > chosen[0]:
                 heapq.heapreplace(chosen, item)
     bar.close()
+    ordered = [(pid, line) for _, pid, line in sorted(chosen, reverse=cap is not None)]
+    return ordered, len(seen), dropped, examples
 
-    kept = len(seen)
-    if kept == 0:
-        why = "; ".join(f"{dropped[r]} {r} (e.g. {examples[r]})" for r in REASONS if dropped[r])
-        raise PromptsError(f"dataset {path!r}: all {n_rows} rows were dropped, none left to train on, "
-                           f"reading column {fmt!r}: {why}. "
-                           f"Check that {fmt!r} holds the question in the expected shape"
-                           f"{' or raise max_prompt_chars' if dropped['too_long'] else ''}.")
-    if cap is None:
-        ordered = [(pid, line) for _, pid, line in sorted(chosen)]
-    else:
-        ordered = [(pid, line) for _, pid, line in sorted(chosen, reverse=True)]
-    held, train = ordered[:heldout], ordered[heldout:]
-    if not train:
-        raise PromptsError(f"dataset {path!r}: {kept} usable prompts, all taken by heldout={heldout}; "
-                           f"lower dataset.heldout so that some are left for training")
 
-    out = Path(out_dir)
+def _write_shards(out: Path, train, held, shards: int) -> list[list[str]]:
+    """shard_{i}.jsonl (a prompt goes to shard id mod shards) and heldout.jsonl in ``out``; the shards of an
+    earlier run with more shards removed -> the lines of each shard."""
     out.mkdir(parents=True, exist_ok=True)
     by_shard = [[] for _ in range(shards)]
     for pid, line in train:
@@ -405,6 +393,39 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
         index = stale.stem.removeprefix("shard_")
         if index.isdigit() and int(index) >= shards:
             stale.unlink()
+    return by_shard
+
+
+def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
+                    heldout: int = 0, seed: int = 0, keep_system: bool = False,
+                    max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
+                    progress: bool = True, subset: str | None = None) -> dict:
+    """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
+
+    path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
+    Hugging Face hub dataset name (loaded with `split`, and `subset`: the dataset's configuration,
+    e.g. "main" for openai/gsm8k). `cache_dir`: where `datasets` keeps its Arrow
+    copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
+    default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
+    PromptsError when the dataset cannot be read, has no question column, or no row survives.
+    """
+    path = str(path)
+    _check_sizes(shards, limit, heldout)
+    rows, n_rows, fmt = _open_dataset(path, split, cache_dir, subset, progress)
+    ordered, kept, dropped, examples = _select(rows, n_rows, fmt, path, keep_system=keep_system, max_prompt_chars=max_prompt_chars,
+                                               seed=seed, cap=None if limit is None else heldout + limit, progress=progress)
+    if kept == 0:
+        why = "; ".join(f"{dropped[r]} {r} (e.g. {examples[r]})" for r in REASONS if dropped[r])
+        raise PromptsError(f"dataset {path!r}: all {n_rows} rows were dropped, none left to train on, "
+                           f"reading column {fmt!r}: {why}. "
+                           f"Check that {fmt!r} holds the question in the expected shape"
+                           f"{' or raise max_prompt_chars' if dropped['too_long'] else ''}.")
+    held, train = ordered[:heldout], ordered[heldout:]
+    if not train:
+        raise PromptsError(f"dataset {path!r}: {kept} usable prompts, all taken by heldout={heldout}; "
+                           f"lower dataset.heldout so that some are left for training")
+    out = Path(out_dir)
+    by_shard = _write_shards(out, train, held, shards)
 
     stats = {
         "path": path,

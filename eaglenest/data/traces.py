@@ -18,6 +18,7 @@ link to it, so a forced rerun of a finished shard (Snakemake reruns every consum
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -81,21 +82,15 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     shard = stem(output_path)
     fp = fingerprint(model, gen)
     partial_dir = Path(partial_dir) if partial_dir is not None else output_path.parent / "partial"
-    run = _ShardRun(
-        shard=shard,
-        prompts=read_prompt_shard(prompts_path),
-        output_path=output_path,
-        partial_path=partial_dir / f"{shard}.{fp}.partial.jsonl",
-        errors_path=Path(errors_path) if errors_path is not None else _sibling(output_path, ".errors.jsonl"),
-        stats_path=Path(stats_path) if stats_path is not None else _sibling(output_path, ".stats.json"),
-        servers=[_Server(u) for u in dict.fromkeys(_base_url(u) for u in urls)],
-        model=model,
-        gen=gen,
-        api_key=api_key,
-        fingerprint=fp,
-        max_error_fraction=gen["max_error_fraction"],
-        progress=progress,
+    files = _ShardFiles(
+        output=output_path,
+        partial=partial_dir / f"{shard}.{fp}.partial.jsonl",
+        errors=Path(errors_path) if errors_path is not None else _sibling(output_path, ".errors.jsonl"),
+        stats=Path(stats_path) if stats_path is not None else _sibling(output_path, ".stats.json"),
     )
+    run = _ShardRun(shard=shard, prompts=read_prompt_shard(prompts_path), files=files,
+                    servers=[_Server(u) for u in dict.fromkeys(_base_url(u) for u in urls)], model=model, gen=gen,
+                    api_key=api_key, progress=progress)
     return asyncio.run(run.main())
 
 
@@ -110,10 +105,10 @@ def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answe
     with tempfile.TemporaryDirectory(prefix="eaglenest-answers-") as tmp:
         tmp = Path(tmp)
         output_path = tmp / f"{name}.jsonl"
-        run = _ShardRun(shard=name, prompts=keyed, output_path=output_path, partial_path=tmp / "partial.jsonl",
-                        errors_path=tmp / "errors.jsonl", stats_path=tmp / "stats.json",
-                        servers=[_Server(_base_url(url))], model=model, gen=gen, api_key=api_key,
-                        fingerprint=fingerprint(model, gen), max_error_fraction=0.0, progress=progress)
+        files = _ShardFiles(output=output_path, partial=tmp / "partial.jsonl", errors=tmp / "errors.jsonl",
+                            stats=tmp / "stats.json")
+        run = _ShardRun(shard=name, prompts=keyed, files=files, servers=[_Server(_base_url(url))], model=model,
+                        gen={**gen, "max_error_fraction": 0.0}, api_key=api_key, progress=progress)  # any failure fails
         try:
             asyncio.run(run.main())
         except TracesError:
@@ -177,35 +172,50 @@ class _Server:
         self.last_failure = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _ShardFiles:
+    """Where a shard's run writes (see ``generate_shard``)."""
+
+    output: Path
+    """The records in prompt order, written once the shard is complete."""
+    partial: Path
+    """The finished records, appended as they come: what a rerun resumes from."""
+    errors: Path
+    """This run's failed requests, one JSON object a line."""
+    stats: Path
+    """The run's stats as JSON."""
+
+
+def _request_body(model, gen) -> tuple[bytes, bytes]:
+    """The request body without the messages, encoded once -> (head, tail) spliced around each prompt's messages."""
+    body = {"model": model, "max_tokens": gen["max_tokens"], "temperature": gen["temperature"],
+            "top_p": gen["top_p"], "seed": gen["seed"], "return_token_ids": True}
+    if gen["chat_template_kwargs"] is not None:
+        body["chat_template_kwargs"] = gen["chat_template_kwargs"]
+    body.update(gen["extra_body"] or {})
+    body["return_token_ids"] = True
+    body.pop("messages", None)
+    return b'{"messages":', b"," + json.dumps(body, separators=(",", ":")).encode()[1:]
+
+
 class _ShardRun:
-    def __init__(self, *, shard, prompts, output_path, partial_path, errors_path, stats_path, servers,
-                 model, gen, api_key, fingerprint, max_error_fraction, progress):
+    """One run over a shard's prompts: ``gen`` (``_generation_settings``) says how to ask ``model`` on the
+    ``servers`` (``_Server``) and how many failures the shard bears (``max_error_fraction``)."""
+
+    def __init__(self, *, shard, prompts, files: _ShardFiles, servers, model, gen, api_key, progress):
         self.shard = shard
         self.prompts = prompts
-        self.output_path = output_path
-        self.partial_path = partial_path
-        self.errors_path = errors_path
-        self.stats_path = stats_path
+        self.files = files
         self.servers = servers
         self.model = model
         self.gen = gen
         self.retry = RetryPolicy.from_settings(gen)
         self.api_key = api_key
-        self.fingerprint = fingerprint
-        self.max_error_fraction = max_error_fraction
+        self.fingerprint = fingerprint(model, gen)
         self.progress = progress
-        self.max_errors = int(max_error_fraction * len(prompts))
-        # Request body without the messages: encoded once, spliced around each prompt's messages.
-        body = {"model": model, "max_tokens": gen["max_tokens"], "temperature": gen["temperature"],
-                "top_p": gen["top_p"], "seed": gen["seed"], "return_token_ids": True}
-        if gen["chat_template_kwargs"] is not None:
-            body["chat_template_kwargs"] = gen["chat_template_kwargs"]
-        body.update(gen["extra_body"] or {})
-        body["return_token_ids"] = True
-        body.pop("messages", None)
-        self.body_head = b'{"messages":'
-        self.body_tail = b"," + json.dumps(body, separators=(",", ":")).encode()[1:]
-        self.partial = PartialFile(partial_path, shard)  # the finished records
+        self.max_errors = int(gen["max_error_fraction"] * len(prompts))
+        self.body_head, self.body_tail = _request_body(model, gen)
+        self.partial = PartialFile(files.partial, shard)  # the finished records
         self.index = self.partial.index  # id -> (offset, length) of its line in the partial file
         self.errors = []         # this run's failed requests: {id, status, body, server, attempts}
         self.stats = TraceStats()
@@ -235,19 +245,19 @@ class _ShardRun:
             first = self.errors[0]
             what = f"HTTP {first['status']}{auth_hint(first['status'], self.api_key)}" if first["status"] else "no answer"
             failure = (f"{self.shard}: {len(self.errors)} of {len(self.prompts)} requests failed "
-                       f"(more than {self.max_error_fraction:.0%}); first: {what} from {first['server']}: "
-                       f"{first['body'][:300]}; all of them are in {self.errors_path}; "
-                       f"finished records are kept in {self.partial_path}; fix the cause and rerun")
+                       f"(more than {self.gen['max_error_fraction']:.0%}); first: {what} from {first['server']}: "
+                       f"{first['body'][:300]}; all of them are in {self.files.errors}; "
+                       f"finished records are kept in {self.files.partial}; fix the cause and rerun")
         stats = self.stats.as_dict(shard=self.shard, requests=len(self.prompts), records=len(self.index),
                                    errors=len(self.errors), wall=wall, complete=failure is None, servers=self.servers,
                                    model=self.model, fingerprint=self.fingerprint)
-        write_atomic(self.errors_path, b"".join(json_line(e) for e in self.errors))
-        write_atomic(self.stats_path, stats)
+        write_atomic(self.files.errors, b"".join(json_line(e) for e in self.errors))
+        write_atomic(self.files.stats, stats)
         say(summary(self.shard, stats))
         if failure is not None:
             raise TracesError(failure)
-        self.partial.write_output(self.prompts, self.output_path)
-        self.partial.link_to(self.output_path)
+        self.partial.write_output(self.prompts, self.files.output)
+        self.partial.link_to(self.files.output)
         return stats
 
     async def _send_all(self, todo):
@@ -301,12 +311,6 @@ class _ShardRun:
                 raise TracesError(f"{self.shard}: {_not_served(server.url, answer, self.model)}")
         if all(s.down_since is not None for s in self.servers):
             raise TracesError(self._servers_down_message())
-
-    async def _worker(self, queue):
-        for prompt in queue:
-            await self._request(prompt)
-            if self.stopping:
-                return
 
     async def _request(self, prompt):
         g = self.gen
@@ -446,7 +450,7 @@ class _ShardRun:
         where = "server at " + down[0].url if len(down) == 1 else "servers at " + ", ".join(s.url for s in down)
         are = "is" if len(down) == 1 else "are"
         why = down[0].last_failure
-        kept = f"finished records are kept in {self.partial_path}" if self.index else "nothing was finished"
+        kept = f"finished records are kept in {self.files.partial}" if self.index else "nothing was finished"
         if self.first_success:
             return (f"{self.shard}: {where} stopped answering ({why}) after {self.stats.completed} finished records; "
                     f"{kept}; restart the server and rerun")

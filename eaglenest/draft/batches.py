@@ -11,6 +11,7 @@ import torch
 from ..errors import EaglenestError
 from ..states.source import StateSource
 from .layers import FLEX_BLOCK
+from .model import Runtime
 from .ttt import token_embeds_ids, ttt_loss_plan
 
 
@@ -129,8 +130,10 @@ class BatchLoader:
     only two batches are on the device at once.
     """
 
-    def __init__(self, shards: StateSource, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table):
-        self.shards, self.lengths, self.cfg, self.embed_table = shards, lengths, cfg, embed_table
+    def __init__(self, shards: StateSource, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table,
+                 runtime: Runtime):
+        # runtime: how the model runs the TTT (its resolved settings), which decides the loss plan each batch carries
+        self.shards, self.lengths, self.cfg, self.embed_table, self.runtime = shards, lengths, cfg, embed_table, runtime
         self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
@@ -170,8 +173,9 @@ class BatchLoader:
         batch["embeds"] = torch.empty(*ids.shape, H, dtype=self.embed_table.dtype, pin_memory=self.on_gpu)
         torch.index_select(self.embed_table, 0, ids.flatten(), out=batch["embeds"].view(-1, H))
         batch["rows"] = loss_rows(batch["loss_mask"])
-        if self.cfg["fused_loss"] or self.cfg["skip_unscored"]:  # skip_unscored: the plan's chains
-            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T, chains=self.cfg["skip_unscored"])
+        chains = self.runtime.runs_chains
+        if self.runtime.fused_loss or chains:
+            batch["plan"] = ttt_loss_plan(batch["rows"], T, self.ttt_length, B * T, chains=chains)
         if self.on_gpu:
             batch["rows"] = batch["rows"].pin_memory()
             if "plan" in batch:

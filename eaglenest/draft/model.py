@@ -67,6 +67,12 @@ class Runtime:
     chain still has a scored token ahead (``ttt_chains``): not at prompt or padding positions. Exact:
     a later step's output at t only feeds its own chain at t."""
 
+    @property
+    def runs_chains(self) -> bool:
+        """The later TTT steps run at the scored chains only: ``skip_unscored`` on the flex path with ``diag_split``
+        (the batches then carry the chains in their loss plan, ``batches.BatchLoader``)."""
+        return self.attention == "flex" and self.diag_split and self.skip_unscored
+
     @classmethod
     def from_config(cls, cfg, world=1):
         """From a ``train.resolve_runtime`` config (its key ``compile`` is ``compiled`` here);
@@ -143,7 +149,7 @@ class Eagle3Draft(nn.Module):
             embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
         if self.runtime.attention == "flex":
             chains = None
-            if self.runtime.skip_unscored and self.runtime.diag_split and targets is not None and ttt_length > 1:
+            if self.runtime.runs_chains and targets is not None and ttt_length > 1:
                 plan = targets.get("plan") or {}
                 B, T = input_ids.shape
                 chains = plan["chains"] if "chains" in plan else ttt_chains(targets["rows"], T, ttt_length, B * T)

@@ -15,6 +15,7 @@ the ranks in turn, gradients are averaged by DDP and rank 0 writes.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -32,6 +33,7 @@ from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .config import DraftConfig
 from .fp8 import resolve_fp8, use_fp8
 from .metrics import Metrics, write_metrics
 from .model import Eagle3Draft, Runtime
@@ -280,36 +282,204 @@ def resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots=()
     return 0, [], None
 
 
-def train_step(trainable, model, opt, params, loader, head, cfg, world, device, lr):
-    """One optimizer step over ``grad_accum`` micro-batches -> (epoch, the summed loss stats [J, 4]
-    on the device, all ranks', the gradient norm, this rank's tokens). ``head``: the target's
-    (lm_head rows, draft ids, t2d) on the device, as ``target_distribution`` takes them."""
-    on_gpu, accum, J = device.startswith("cuda"), cfg["grad_accum"], cfg["ttt_length"]
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What every optimizer step of a run reads (``train_step``): the same objects from the first step to the last."""
+
+    trainable: torch.nn.Module
+    """The model, or its DDP wrapper under several processes: what the forward and backward run through."""
+    model: Eagle3Draft
+    """The draft itself (its weights' dtype is what the aux states are cast to on CPU)."""
+    opt: torch.optim.Optimizer
+    """``make_optimizer``'s optimizer over ``params``."""
+    params: list
+    """The trainable parameters, whose gradient norm is clipped."""
+    loader: BatchLoader
+    """This rank's micro-batches, on the device."""
+    head: tuple
+    """The target's (lm_head rows, draft ids, t2d) on the device, as ``target_distribution`` takes them."""
+    cfg: dict
+    """The training config, its "auto" entries resolved (``resolve_runtime``)."""
+    world: int
+    """Processes training together (DDP under more than one)."""
+    device: str
+    """This process's device ("cpu", "cuda:N")."""
+
+
+def train_step(inputs: StepInputs, lr):
+    """One optimizer step at learning rate ``lr`` over ``grad_accum`` micro-batches -> (epoch, the
+    summed loss stats [J, 4] on the device, all ranks', the gradient norm, this rank's tokens)."""
+    cfg, world, opt = inputs.cfg, inputs.world, inputs.opt
+    on_gpu, accum, J = inputs.device.startswith("cuda"), cfg["grad_accum"], cfg["ttt_length"]
     for g in opt.param_groups:
         g["lr"] = lr
-    sums = torch.zeros(J, 4, device=device)
+    sums = torch.zeros(J, 4, device=inputs.device)
     n_tok = 0
     for a in range(accum):
-        epoch, tokens, batch = loader.next()
-        targets = target_distribution(batch["last_hidden"], batch["loss_mask"], *head, rows=batch["rows"],
+        epoch, tokens, batch = inputs.loader.next()
+        targets = target_distribution(batch["last_hidden"], batch["loss_mask"], *inputs.head, rows=batch["rows"],
                                       target_next=batch.get("target_next"))
         if "plan" in batch:
             targets["plan"] = batch["plan"]
-        aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(model.fc.weight.dtype)  # no autocast on CPU
+        aux = batch["aux_hidden"] if on_gpu else batch["aux_hidden"].to(inputs.model.fc.weight.dtype)  # no autocast on CPU
         sync = world == 1 or a == accum - 1
-        with trainable.no_sync() if not sync else contextlib.nullcontext():
+        with inputs.trainable.no_sync() if not sync else contextlib.nullcontext():
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                loss, st = trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
-                                     chunk=cfg["loss_chunk"], embeds=batch["embeds"])
+                loss, st = inputs.trainable(batch["input_ids"], aux, targets, ttt_length=J, decay=cfg["ttt_decay"],
+                                            chunk=cfg["loss_chunk"], embeds=batch["embeds"])
             # backward outside autocast: its cache of bf16 weight copies is gone by then
             (loss / accum).backward()
         sums += st.detach()
         n_tok += tokens
     if world > 1:
         dist.all_reduce(sums)
-    grad_norm = clip_and_step(opt, params, cfg["clip"])
+    grad_norm = clip_and_step(opt, inputs.params, cfg["clip"])
     opt.zero_grad(set_to_none=True)
     return epoch, sums, grad_norm, n_tok
+
+
+def _build_draft(dcfg, cfg, head, d2t, t2d, device, world):
+    """The draft on ``device`` -> (model, the target's embedding table in host memory): seeded, its head and
+    norm from the target's where ``init_from_target``, its lm_head frozen where ``freeze_lm_head``, its
+    products FP8 where ``fp8``."""
+    torch.manual_seed(cfg["seed"])
+    model = Eagle3Draft(dcfg, runtime=Runtime.from_config(cfg, world))
+    init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
+    # The target's embedding stays in host memory: the loader looks up each batch's rows there
+    # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
+    embed_table = head["embed_tokens.weight"].to(torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model.set_target(embed_table[:0], d2t, t2d, *init)
+    if cfg["freeze_lm_head"]:
+        model.lm_head.weight.requires_grad_(False)
+    model.to(device)
+    if cfg["fp8"]:  # before the step compiles; the weights stay the same bf16 parameters
+        use_fp8(model)
+    return model, embed_table
+
+
+def _wrap_ddp(model, world, local_rank, on_gpu):
+    """What the steps run through: ``model`` itself in one process, else its DDP wrapper."""
+    if world == 1:
+        return model
+    # buffers (the frozen embedding, the vocab maps) are equal on every rank: no broadcast each step
+    ddp = torch.nn.parallel.DistributedDataParallel
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
+    return ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
+
+
+def _describe_runtime(cfg, runtime: Runtime) -> str:
+    """How this run trains, for the log's first line."""
+    return (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
+            f"{cfg['bf16_weights']}, fp8 products {cfg['fp8']}, step grads split {runtime.split_step_grads}, diagonal split "
+            f"{cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head "
+            f"{'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+
+
+def _prepare_compile(lengths, cfg, start, remaining, world) -> str:
+    """Let dynamo compile one graph per batch shape of the rest of the run (``configure_compile``) -> the log's note."""
+    shapes = run_shapes(lengths, cfg, start, remaining, world)
+    configure_compile(shapes)
+    return f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Where a run stands and what its checkpoints carry."""
+
+    total_steps: int
+    fingerprint: str
+    """``_fingerprint``: the data and config the resume points were saved for."""
+    state_dir: Path
+    snapshots: list
+    """(step, file in ``state_dir``) of each draft kept along training."""
+    dcfg: DraftConfig
+    """The draft's ``checkpoint.draft_config``."""
+    info: dict
+    """The target's facts (``target.load_target_head``)."""
+
+    @classmethod
+    def of(cls, total_steps, fingerprint, state_dir, n_snapshots, dcfg, info):
+        """The run's facts, its ``state_dir`` made, its ``n_snapshots`` drafts along training placed (``snapshot_steps``)."""
+        state_dir = Path(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, n_snapshots))]
+        return cls(total_steps, fingerprint, state_dir, snapshots, dcfg, info)
+
+
+def _keep_snapshot(path, inputs: StepInputs, run: _Run, step, rows):
+    """The draft at ``step`` as a checkpoint at ``path`` (one of the drafts kept along training)."""
+    J = inputs.cfg["ttt_length"]
+    stats = {"step": step, "of_steps": run.total_steps, "tokens": sum(int(r["tokens"]) for r in rows),
+             "loss": rows[-1]["loss"], "acc": [rows[-1][f"acc_{j}"] for j in range(J)]}
+    _save_weights(path, inputs.model, inputs.opt, inputs.cfg, run.dcfg, run.info, stats)
+
+
+def _save_resume_point(inputs: StepInputs, run: _Run, step, rows):
+    """What a killed run resumes from (``resume``), in ``run.state_dir``."""
+    state = {
+        "fingerprint": run.fingerprint,
+        "step": step,
+        "model": inputs.model.state_dict(),
+        "optimizer": inputs.opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(inputs.device) if inputs.device.startswith("cuda") else None,
+        "metrics": rows,
+    }
+    _save_state(run.state_dir, step, state, inputs.cfg["keep_states"])
+
+
+def _train_steps(inputs: StepInputs, run: _Run, step, metrics: Metrics, rank) -> int:
+    """The optimizer steps from ``step`` to the run's last (the loader closed after them); rank 0 keeps
+    the drafts along training and the resume points as it passes them -> the step reached."""
+    cfg, total_steps = inputs.cfg, run.total_steps
+    try:
+        while step < total_steps:
+            lr = lr_at(step, cfg, total_steps)
+            epoch, sums, grad_norm, tokens = train_step(inputs, lr)
+            step += 1
+            metrics.add(step, epoch, lr, sums, grad_norm, tokens)
+            save = rank == 0 and step % cfg["save_every"] == 0 and step < total_steps
+            keep = [f for s, f in run.snapshots if s == step and rank == 0]
+            if save or keep or step % cfg["log_every"] == 0 or step == total_steps:
+                metrics.flush()
+            for path in keep:
+                _keep_snapshot(path, inputs, run, step, metrics.rows)
+            if save:
+                _save_resume_point(inputs, run, step, metrics.rows)
+    finally:
+        inputs.loader.close()
+    return step
+
+
+def _run_stats(step, resumed_from, metrics: Metrics, seconds, model, shards, J, stream) -> dict:
+    """``train_draft``'s summary (it goes into the checkpoint too)."""
+    last = metrics.rows[-1]
+    stats = {
+        "steps": step,
+        "resumed_from": resumed_from,
+        "tokens": metrics.tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(metrics.tokens / seconds, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "loss": last["loss"],
+        "acc": [last[f"acc_{j}"] for j in range(J)],
+        "sequences": len(shards),
+    }
+    if stream is not None:
+        stats["stream"] = {**shards.counts, "peak_disk_bytes": shards.peak_bytes, "wait_s": round(shards.t_wait, 2)}
+    return stats
+
+
+def _write_outputs(inputs: StepInputs, run: _Run, stats, rows, out_path, metrics_path, snapshot_paths):
+    """The checkpoint, the metrics and the drafts kept along training at their outputs; the run's resume
+    points (and other runs' drafts) removed from ``run.state_dir``."""
+    _save_weights(out_path, inputs.model, inputs.opt, inputs.cfg, run.dcfg, run.info, stats)
+    write_metrics(metrics_path, rows)
+    for (_, kept), dest in zip(run.snapshots, snapshot_paths):
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(kept, dest)
+    for path in [*_state_files(run.state_dir), *Path(run.state_dir).glob("curve_*.safetensors")]:
+        path.unlink(missing_ok=True)  # the run is complete: its resume points are not, nor other runs' drafts
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
@@ -333,82 +503,35 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     shards = open_states(hidden_paths, stream, info, t2d, vocab_path, head_path)
     cfg = resolve_runtime(cfg, device)
     dcfg = draft_config(info, len(d2t), cfg)
-    torch.manual_seed(cfg["seed"])
-    model = Eagle3Draft(dcfg, runtime=Runtime.from_config(cfg, world))
-    init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
-    # The target's embedding stays in host memory: the loader looks up each batch's rows there
-    # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
-    embed_table = head["embed_tokens.weight"].to(torch.bfloat16 if on_gpu else torch.float32)
-    model.set_target(embed_table[:0], d2t, t2d, *init)
-    if cfg["freeze_lm_head"]:
-        model.lm_head.weight.requires_grad_(False)
-    model.to(device)
-    if cfg["fp8"]:  # before the step compiles; the weights stay the same bf16 parameters
-        use_fp8(model)
+    model, embed_table = _build_draft(dcfg, cfg, head, d2t, t2d, device, world)
     draft_ids = model.draft_ids()
     target = (target_head_rows(head, shards, draft_ids, info, device, rank), draft_ids, model.t2d)
     del head
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(model, cfg, on_gpu)
-    trainable = model
-    if world > 1:
-        # buffers (the frozen embedding, the vocab maps) are equal on every rank: no broadcast each step
-        ddp = torch.nn.parallel.DistributedDataParallel
-        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
-        trainable = ddp(model, device_ids=[local_rank] if on_gpu else None, **no_sync)
+    trainable = _wrap_ddp(model, world, local_rank, on_gpu)
 
     # where this run stands: its steps, and the resume point it left if it was killed
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = count_steps(lengths, cfg, world)
     accum, J = cfg["grad_accum"], cfg["ttt_length"]
-    fingerprint = _fingerprint(cfg, shards, vocab_path, head_path, world)
-    state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, len(snapshot_paths)))]
-    step, rows, resumed_from = resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots)
+    run = _Run.of(total_steps, _fingerprint(cfg, shards, vocab_path, head_path, world), state_dir, len(snapshot_paths), dcfg, info)
+    step, rows, resumed_from = resume(run.state_dir, run.fingerprint, model, opt, device, total_steps, run.snapshots)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
-    how = (f"attention {cfg['attention']}, recompute {cfg['recompute']}, fused loss {cfg['fused_loss']}, bf16 weights "
-           f"{cfg['bf16_weights']}, fp8 products {cfg['fp8']}, step grads split {model.runtime.split_step_grads}, diagonal split {cfg['diag_split']}, unscored positions skipped {cfg['skip_unscored']}, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+    how = _describe_runtime(cfg, model.runtime)
     if cfg["compile"]:
-        shapes = run_shapes(lengths, cfg, step * accum * world, remaining, world)
-        configure_compile(shapes)
-        how += f", compiled ({len(shapes)} batch shape{'s' if len(shapes) != 1 else ''}: one graph each)"
+        how += _prepare_compile(lengths, cfg, step * accum * world, remaining, world)
     if rank == 0:
         say(f"train_draft: {device}, {how}")
     loader = BatchLoader(shards, lengths, cfg, start=step * accum * world, count=remaining, rank=rank, world=world,
-                         device=device, ttt_length=J, embed_table=embed_table)
+                         device=device, ttt_length=J, embed_table=embed_table, runtime=model.runtime)
+    inputs = StepInputs(trainable, model, opt, params, loader, target, cfg, world, device)
 
     # the loop
     bar = progress_bar(total=total_steps, initial=step, unit="step", desc="train_draft", disable=not progress or rank != 0)
     metrics = Metrics(rows, cfg, device, bar)
-    try:
-        while step < total_steps:
-            lr = lr_at(step, cfg, total_steps)
-            epoch, sums, grad_norm, tokens = train_step(trainable, model, opt, params, loader, target, cfg, world, device, lr)
-            step += 1
-            metrics.add(step, epoch, lr, sums, grad_norm, tokens)
-            save = rank == 0 and step % cfg["save_every"] == 0 and step < total_steps
-            keep = [f for s, f in snapshots if s == step and rank == 0]
-            if save or keep or step % cfg["log_every"] == 0 or step == total_steps:
-                metrics.flush()
-            for path in keep:
-                _save_weights(path, model, opt, cfg, dcfg, info, {"step": step, "of_steps": total_steps,
-                                                                  "tokens": sum(int(r["tokens"]) for r in rows), "loss": rows[-1]["loss"],
-                                                                  "acc": [rows[-1][f"acc_{j}"] for j in range(J)]})
-            if save:
-                state = {
-                    "fingerprint": fingerprint,
-                    "step": step,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state(device) if on_gpu else None,
-                    "metrics": rows,
-                }
-                _save_state(state_dir, step, state, cfg["keep_states"])
-    finally:
-        loader.close()
+    step = _train_steps(inputs, run, step, metrics, rank)
     metrics.flush()
     if stream is not None:
         say(shards.summary())
@@ -416,36 +539,15 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     # the outputs
     seconds = time.time() - t_start
-    last = rows[-1]
-    stats = {
-        "steps": step,
-        "resumed_from": resumed_from,
-        "tokens": metrics.tokens,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(metrics.tokens / seconds, 1),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "loss": last["loss"],
-        "acc": [last[f"acc_{j}"] for j in range(J)],
-        "sequences": len(shards),
-    }
-    if stream is not None:
-        stats["stream"] = {**shards.counts, "peak_disk_bytes": shards.peak_bytes, "wait_s": round(shards.t_wait, 2)}
+    stats = _run_stats(step, resumed_from, metrics, seconds, model, shards, J, stream)
     if rank == 0:
-        _save_weights(out_path, model, opt, cfg, dcfg, info, stats)
-        write_metrics(metrics_path, rows)
-        for (_, kept), dest in zip(snapshots, snapshot_paths):
-            Path(dest).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(kept, dest)
-        for path in [*_state_files(state_dir), *Path(state_dir).glob("curve_*.safetensors")]:
-            path.unlink(missing_ok=True)  # the run is complete: its resume points are not, nor other runs' drafts
+        _write_outputs(inputs, run, stats, rows, out_path, metrics_path, snapshot_paths)
     if own_group:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        say(
-            f"train_draft: {step} steps, {metrics.tokens} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
-            f"loss {last['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}"
-        )
+        say(f"train_draft: {step} steps, {metrics.tokens} tokens in {seconds:.1f} s ({stats['tokens_per_s']:.0f} tok/s), "
+            f"loss {stats['loss']:.4f}, acc@0 {stats['acc'][0]:.3f} acc@{J - 1} {stats['acc'][-1]:.3f} -> {out_path}")
     return stats
 
 

@@ -237,6 +237,127 @@ def _length_batches(lengths, batch_tokens):
     return batches
 
 
+class _HostCopies:
+    """A batch's states copied from the device to host memory. On CUDA into page-locked buffers by
+    non-blocking copies on a side stream per device of the outputs (the last GPU of a target split
+    over several), so they overlap the next batch's forward; an event marks them done."""
+
+    def __init__(self, on_gpu):
+        self.on_gpu = on_gpu
+        self.streams = {}  # device -> its copy stream
+
+    def copy(self, t, dtype=STORE_DTYPE):
+        """``t`` in host memory as ``dtype`` (on CUDA: the copy under way, see ``done``)."""
+        if not self.on_gpu:
+            return t.to(dtype).cpu()
+        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        if t.device not in self.streams:
+            self.streams[t.device] = torch.cuda.Stream(t.device)
+        copy_stream = self.streams[t.device]
+        copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(copy_stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(copy_stream)  # not reused by the next forward before the copy is done
+        return host
+
+    def done(self, device):
+        """An event the copies from ``device`` so far complete at (None off CUDA: they are done)."""
+        if not self.on_gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.streams[device])
+        return event
+
+
+class _ShardRows:
+    """Writes the rows of a batch's sequences in place in the shard, from several threads at once
+    (pwrite drops the GIL), and flushes written pages to disk every SYNC_BYTES while the target runs,
+    so the final fsync has little left."""
+
+    def __init__(self, writer: ShardWriter, seqs, offsets, bar):
+        self.writer, self.seqs, self.offsets, self.bar = writer, seqs, offsets, bar
+        self.unsynced, self.lock = 0, threading.Lock()
+
+    def write(self, batch, positions, aux, last, nxt, done):
+        """Write the sequences at ``positions`` of ``batch`` (one writer's share of a batch)."""
+        if done is not None:
+            done.synchronize()  # the batch's device -> host copies have landed
+        n_tok = 0
+        for b in positions:
+            k = batch[b]
+            _, ids_k, n_prompt = self.seqs[k]
+            row, n = int(self.offsets[k]), len(ids_k)
+            self.writer.write_rows("aux_hidden", row, aux[b, :n])
+            self.writer.write_rows("last_hidden", row, last[b, :n])
+            self.writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
+            self.writer.write_rows("target_next", row, nxt[b, :n])
+            self.writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
+            n_tok += n
+        self.bar.update(n_tok)
+        with self.lock:
+            self.unsynced += n_tok * self.writer.bytes_per_token
+            flush = self.unsynced >= SYNC_BYTES
+            if flush:
+                self.unsynced = 0
+        if flush:
+            os.fdatasync(self.writer.fd)
+
+
+def _batch_states(model, capture, aux_layers, seqs, batch, host: _HostCopies):
+    """The target over the sequences ``batch`` (indices into ``seqs``, longest first) -> (aux [B, T, 3H],
+    last [B, T, H], next tokens [B, T] int32, the event their host copies are done at)."""
+    decoder, head = decoder_of(model), model.get_output_embeddings().weight
+    first_device = model.get_input_embeddings().weight.device
+    longest = len(seqs[batch[0]][1])
+    ids = torch.zeros(len(batch), longest, dtype=torch.int64)  # right padding: causal attention
+    for b, k in enumerate(batch):  # keeps real positions blind to the pads, so no mask needed
+        ids[b, : len(seqs[k][1])] = torch.from_numpy(seqs[k][1])
+    with torch.inference_mode():
+        capture.states.clear()
+        # pinned, so that the copy does not make the host wait for the previous batch's forward
+        ids = ids.pin_memory().to(first_device, non_blocking=True) if host.on_gpu else ids.to(first_device)
+        last = decoder(input_ids=ids, use_cache=False).last_hidden_state
+        aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
+        device = last.device
+        # the greedy next token from each position (pads included: batches are length-sorted)
+        nxt = greedy_next(last.reshape(-1, last.shape[-1]), head).view(last.shape[:2]).to(device, torch.int32)
+        aux, last, nxt = host.copy(aux), host.copy(last.to(STORE_DTYPE)), host.copy(nxt, torch.int32)
+        return aux, last, nxt, host.done(device)  # aux, last and nxt all come from that device
+
+
+def _write_shard(model, writer: ShardWriter, seqs, offsets, aux_layers, batch_tokens, bar):
+    """Run the target over ``seqs`` in batches of about ``batch_tokens`` and write their rows into ``writer``,
+    completed (``ShardWriter.finish``) or, on any error, removed.
+
+    Device -> host: ``_HostCopies``; writer threads wait on each batch's event, then write its rows in
+    place (``_ShardRows``): each batch is split over WRITERS threads by sequence; at most INFLIGHT
+    batches are in host memory."""
+    capture = AuxCapture(decoder_of(model), aux_layers)
+    host = _HostCopies(model.get_input_embeddings().weight.device.type == "cuda")
+    rows = _ShardRows(writer, seqs, offsets, bar)
+    in_flight = []
+    pool = ThreadPoolExecutor(WRITERS)
+    try:
+        writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
+        for batch in _length_batches([len(ids) for _, ids, _ in seqs], batch_tokens):
+            aux, last, nxt, done = _batch_states(model, capture, aux_layers, seqs, batch, host)
+            while len(in_flight) >= INFLIGHT:
+                [f.result() for f in in_flight.pop(0)]
+            shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
+            in_flight.append([pool.submit(rows.write, batch, share, aux, last, nxt, done) for share in shares])
+        while in_flight:
+            [f.result() for f in in_flight.pop(0)]
+        bar.close()
+        writer.finish()
+    except BaseException:
+        pool.shutdown()  # writes in flight end before the file descriptor is closed
+        writer.abort()
+        raise
+    finally:
+        pool.shutdown()
+        capture.remove()
+
+
 def extract_hidden(
     trace_paths,
     out_path,
@@ -272,7 +393,6 @@ def extract_hidden(
     n_cut = counts.pop("cut_at_max_length")
     specs, metadata, offsets = shard_layout(seqs, aux_layers=aux_layers, hidden_size=hidden_size, target=target,
                                             max_length=max_length)
-    lengths = [len(ids) for _, ids, _ in seqs]
     n_tokens = int(offsets[-1])
     needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
     say(f"extract_hidden: {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, about {needed / 2**30:.3f} GiB on disk")
@@ -280,100 +400,11 @@ def extract_hidden(
 
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
-    decoder = decoder_of(model)
-    head = model.get_output_embeddings().weight
-    first_device = model.get_input_embeddings().weight.device
-
-    writer = ShardWriter(out_path, specs, metadata)
-    capture = AuxCapture(decoder, aux_layers)
-    n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
     bar = progress_bar(total=n_tokens, unit="tok", desc=f"extract {Path(out_path).name}", disable=not progress)
+    _write_shard(model, ShardWriter(out_path, specs, metadata), seqs, offsets, aux_layers, batch_tokens, bar)
 
-    on_gpu = first_device.type == "cuda"
-    # Device -> host: on CUDA each batch's states go into page-locked host buffers by non-blocking
-    # copies on a side stream (they overlap the next batch's forward), an event marks them done;
-    # writer threads wait on that event, then write the rows in place (pwrite drops the GIL): each
-    # batch is split over WRITERS threads by sequence; at most INFLIGHT batches are in host memory.
-    copy_streams = {}  # per device of the outputs (the last GPU of a target split over several)
-    in_flight, unsynced = [], [0]
-    sync_lock = threading.Lock()
-
-    def write_rows(batch, positions, aux, last, nxt, done):
-        """Write the sequences at ``positions`` of ``batch`` (one writer's share of a batch)."""
-        if done is not None:
-            done.synchronize()  # the batch's device -> host copies have landed
-        n_tok = 0
-        for b in positions:
-            k = batch[b]
-            _, ids_k, n_prompt = seqs[k]
-            row, n = int(offsets[k]), lengths[k]
-            writer.write_rows("aux_hidden", row, aux[b, :n])
-            writer.write_rows("last_hidden", row, last[b, :n])
-            writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
-            writer.write_rows("target_next", row, nxt[b, :n])
-            writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
-            n_tok += n
-        bar.update(n_tok)
-        # flush written pages to disk while the target runs, so the final fsync has little left
-        with sync_lock:
-            unsynced[0] += n_tok * writer.bytes_per_token
-            flush = unsynced[0] >= SYNC_BYTES
-            if flush:
-                unsynced[0] = 0
-        if flush:
-            os.fdatasync(writer.fd)
-
-    def to_host(t, dtype=STORE_DTYPE):
-        if not on_gpu:
-            return t.to(dtype).cpu()
-        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-        if t.device not in copy_streams:
-            copy_streams[t.device] = torch.cuda.Stream(t.device)
-        copy_stream = copy_streams[t.device]
-        copy_stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(copy_stream):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(copy_stream)  # not reused by the next forward before the copy is done
-        return host
-
-    pool = ThreadPoolExecutor(WRITERS)
-    try:
-        writer.write_rows("seq_offsets", 0, torch.from_numpy(offsets))
-        for batch in _length_batches(lengths, batch_tokens):
-            longest = lengths[batch[0]]
-            ids = torch.zeros(len(batch), longest, dtype=torch.int64)  # right padding: causal attention
-            for b, k in enumerate(batch):  # keeps real positions blind to the pads, so no mask needed
-                ids[b, : lengths[k]] = torch.from_numpy(seqs[k][1])
-            with torch.inference_mode():
-                capture.states.clear()
-                # pinned, so that the copy does not make the host wait for the previous batch's forward
-                ids = ids.pin_memory().to(first_device, non_blocking=True) if on_gpu else ids.to(first_device)
-                last = decoder(input_ids=ids, use_cache=False).last_hidden_state
-                aux = torch.cat([capture.states[i].to(last.device) for i in aux_layers], dim=-1).to(STORE_DTYPE)
-                device = last.device
-                # the greedy next token from each position (pads included: batches are length-sorted)
-                nxt = greedy_next(last.reshape(-1, last.shape[-1]), head).view(last.shape[:2]).to(device, torch.int32)
-                aux, last, nxt = to_host(aux), to_host(last.to(STORE_DTYPE)), to_host(nxt, torch.int32)
-                done = None
-                if on_gpu:
-                    done = torch.cuda.Event()
-                    done.record(copy_streams[device])  # aux, last and nxt all come from that device
-            while len(in_flight) >= INFLIGHT:
-                [f.result() for f in in_flight.pop(0)]
-            shares = [list(range(len(batch)))[w::WRITERS] for w in range(min(WRITERS, len(batch)))]
-            in_flight.append([pool.submit(write_rows, batch, share, aux, last, nxt, done) for share in shares])
-        while in_flight:
-            [f.result() for f in in_flight.pop(0)]
-        bar.close()
-        writer.finish()
-    except BaseException:
-        pool.shutdown()  # writes in flight end before the file descriptor is closed
-        writer.abort()
-        raise
-    finally:
-        pool.shutdown()
-        capture.remove()
     seconds = time.time() - t_start
+    n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
     stats = {
         **counts,
         "sequences": len(seqs),

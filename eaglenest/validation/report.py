@@ -417,26 +417,27 @@ def _execution_note(*runs) -> str:
     return f"; every server {modes.pop()}" if len(modes) == 1 and None not in modes else ""
 
 
-def render_html(report: dict, train_curves: dict | None = None) -> str:
-    """The whole report page. ``train_curves``: columns of train_metrics.csv (see read_train_metrics)."""
-    e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
-    warnings = report.get("warnings") or []
-    k = report["num_speculative_tokens"]
-    parts = [
+def _head_html(report: dict) -> list[str]:
+    """The page's head, its title and the line of what was validated."""
+    settings = report.get("settings") or {}
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>EAGLE-3 draft validation: {esc(report.get('target'))}</title>",
         f"<style>{CSS}</style></head><body>",
         "<h1>EAGLE-3 draft validation</h1>",
         f'<div class="muted">target <b>{esc(report.get("target"))}</b> · draft {esc(report.get("draft"))} · '
-        f'k = {k} · draft vocabulary {esc((report.get("settings") or {}).get("draft_vocab_size"))} of '
-        f'{esc((report.get("settings") or {}).get("vocab_size"))} · '
+        f'k = {report["num_speculative_tokens"]} · draft vocabulary {esc(settings.get("draft_vocab_size"))} of '
+        f'{esc(settings.get("vocab_size"))} · '
         f'{report.get("prompts")} held-out prompts · max_tokens {report.get("max_tokens")} · '
         f'{esc(report.get("created", ""))}</div>',
     ]
-    if report.get("matrix"):
-        parts.append(matrix_html(report["matrix"]))
-        parts.append("<h2>Held-out set at T=0: vLLM against the offline prediction</h2>")
+
+
+def _verdict_html(report: dict) -> list[str]:
+    """The headline (acceptance and speed-up) and a box per warning."""
+    e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
+    warnings = report.get("warnings") or []
     concurrency = (report.get("settings") or {}).get("concurrency")
     headline = (f"Mean acceptance length in vLLM <b>{_num(e.get('acceptance_length'), 2)}</b> "
                 f"(offline prediction {_num(o.get('acceptance_length'), 2)}, n-gram {_num(n.get('acceptance_length'), 2)}); "
@@ -445,6 +446,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
                 f"{esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
     if o.get("skipped"):
         headline += f" No offline prediction: {esc(o['skipped'])}."
+    parts = []
     if any(w["kind"] == "disagreement" for w in warnings):
         parts.append(f'<div class="verdict bad"><b>vLLM and the offline prediction disagree.</b> {headline}</div>')
     else:
@@ -453,12 +455,15 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
         causes = "".join(f"<li>{esc(c)}</li>" for c in w.get("causes", []))
         cls = "bad" if w["kind"] in ("disagreement", "not_lossless") else "note"
         parts.append(f'<div class="verdict {cls}">{esc(w["message"])}' + (f"<ul>{causes}</ul>" if causes else "") + "</div>")
+    return parts
 
-    parts.append("<h2>Summary</h2>")
-    rows = []
-    formats = report.get("formats") or {"vllm": e}
-    drafts = [(f"EAGLE-3 draft, {f} format", r) for f, r in formats.items()]
+
+def _summary_rows(report: dict) -> list[list[str]]:
+    """The summary table's rows: each vLLM run, the offline prediction, the prediction from training accuracy."""
+    e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
+    drafts = [(f"EAGLE-3 draft, {f} format", r) for f, r in (report.get("formats") or {"vllm": e}).items()]
     base_one = _one(b)
+    rows = []
     for label, r in [("target alone", b), *drafts, ("n-gram", n)]:
         one = r.get("one_request") or {}
         rows.append([esc(label), _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
@@ -478,27 +483,44 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
         rows.append(["from training accuracy", _num(t.get("predicted_acceptance_length"), 3), "–",
                      ", ".join(_num(p, 3) for p in t.get("predicted_per_position") or []),
                      *["–"] * 9])
+    return rows
+
+
+def _summary_html(report: dict) -> list[str]:
+    """The summary table, how its figures are made, and whether the exported formats agree."""
+    concurrency = (report.get("settings") or {}).get("concurrency")
+    parts = ["<h2>Summary</h2>"]
     parts.append(_table(["run", "acceptance length", "acceptance rate", "per position",
                          "1 request: output tok/s", "1 request: ms/token", "1 request: speed-up",
                          f"{esc(concurrency)} in flight: output tok/s", f"{esc(concurrency)} in flight: mean latency s",
                          f"{esc(concurrency)} in flight: speed-up", "passes (1 + n)", "completion tokens", "wall s"],
-                        rows))
+                        _summary_rows(report)))
     parts.append(f'<p class="muted">Acceptance length = 1 + accepted / drafts (the bonus token included); '
                  f'rates from differences of vLLM\'s /metrics counters around each run\'s timed requests. Each run '
                  f'is one server start: the prompts sent one request at a time, then validate.concurrency in flight, '
                  f'each phase sending the set again until its window lasts validate.min_seconds ("passes"). ms/token: '
                  f'a request\'s latency over its output tokens (prefill included). Speed-up = output tok/s over the '
                  f'target alone\'s. vLLM / offline acceptance length: {_num(report.get("agreement"), 3)}.</p>')
-
     agree = report.get("formats_agree")
     if agree:
         verdict = "agree" if agree["agree"] else "<b>disagree</b>"
         parts.append(f'<p>The exported formats {verdict} in vLLM: acceptance lengths differ by '
                      f'{_num(agree["difference"], 4)} (tolerance {agree["tolerance"]}).</p>')
-    for f, r in formats.items():
+    for f, r in (report.get("formats") or {"vllm": report.get("eagle3") or {}}).items():
         if r.get("served_as"):
             parts.append(f'<p class="muted">{esc(f)} format served as: {esc(r["served_as"])}</p>')
-    parts += _curve_html(report.get("curve"), n.get("acceptance_length"))
+    return parts
+
+
+def render_html(report: dict, train_curves: dict | None = None) -> str:
+    """The whole report page. ``train_curves``: columns of train_metrics.csv (see read_train_metrics)."""
+    parts = _head_html(report)
+    if report.get("matrix"):
+        parts.append(matrix_html(report["matrix"]))
+        parts.append("<h2>Held-out set at T=0: vLLM against the offline prediction</h2>")
+    parts += _verdict_html(report)
+    parts += _summary_html(report)
+    parts += _curve_html(report.get("curve"), (report.get("ngram") or {}).get("acceptance_length"))
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")
 

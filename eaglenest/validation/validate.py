@@ -340,6 +340,140 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _matrix_cells(s: dict, sets: list[dict], prompts, generation: dict, cache_dir, log) -> list[dict]:
+    """The matrix's cells: every evaluation set (``sets``, ``resolve_sets``'s) at every temperature, the
+    held-out set at T=0 flagged ``headline``; each set's prompt counts are added to its entry of ``sets``."""
+    cells = []
+    for spec in sets:
+        rows = prompts if spec["name"] == "heldout" else load_set(spec, cache_dir)
+        some = rows[:s["matrix_prompts"]] if s["matrix_prompts"] else rows  # one request at a time costs their tokens
+        log(f"validate_draft: evaluation set '{spec['name']}' ({spec['path']}): {len(rows)} prompts, {len(some)} a cell")
+        spec["prompts"], spec["cell_prompts"] = len(rows), len(some)
+        for t in s["temperatures"]:
+            headline = spec["name"] == "heldout" and t == 0
+            cells.append({"set": spec["name"], "temperature": t, "prompts": rows if headline else some, "headline": headline,
+                          "settings": request_settings(s["max_tokens"], generation, temperature=t, top_p=s["top_p"],
+                                                       seed=s["seed"], chat_template_kwargs=spec["chat_template_kwargs"])})
+    return cells
+
+
+def _run_plan(drafts: dict, srv: ServerConfig, s: dict, k: int, log) -> tuple[dict, dict]:
+    """The vLLM runs in order -> (``{name: (--model, speculative config, served as)}``, ``{export format:
+    its run's name}``): the target alone, each exported format of the draft, n-gram."""
+    formats = {}
+    plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
+    version = vllm_version(srv.python)  # how a speculators draft can be started differs by release
+    if supported_version_note(version):
+        log(f"validate_draft: {supported_version_note(version)}")
+    for i, (fmt, path) in enumerate(drafts.items()):
+        formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
+        plan[name] = launch(fmt, path, k, srv.model, version)
+    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
+    return plan, formats
+
+
+def _offline_engine(offline: dict, hidden_backend: str) -> str:
+    """What computes the offline prediction and the lossless scores: "transformers" or "none" (the
+    target-alone vLLM server scores the outputs instead)."""
+    if offline["engine"] != "auto":
+        return offline["engine"]
+    return "transformers" if hidden_backend == "transformers" else "none"
+
+
+def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, settings, cells, *, engine, log_dir,
+                  workflow_pid, log) -> dict:
+    """Every run of ``plan`` measured in vLLM, one server at a time (``measure_run``) -> ``{name: result}``.
+    With ``engine`` "none" the target alone runs last and scores every run's outputs before it stops."""
+    runs, before_stop = {}, {}
+    if engine == "none":
+        # No transformers copy of the target: the target-alone server scores every run's outputs, so it runs last.
+        plan = {name: plan[name] for name in plan if name != "baseline"} | {"baseline": plan["baseline"]}
+
+        def score_on_server(url, api_key, result):
+            scored = [c for r in (*runs.values(), result) for c in r.get("cells", [])]
+            log(f"validate_draft: scoring {sum(len(c['answers']) for c in scored)} outputs with the target alone's "
+                f"prompt_logprobs (validate.offline.engine none)")
+            for c in scored:
+                c["scores"] = served_scores(url, srv.model_id, answer_sequences(c), api_key=api_key,
+                                            concurrency=s["concurrency"])
+
+        before_stop["baseline"] = score_on_server
+    for name, (model, spec, served_as) in plan.items():
+        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
+        # The served name stays the target's when --model is a speculators draft directory.
+        run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
+        try:
+            runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
+                                     warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
+                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k,
+                                     cells=cells, before_stop=before_stop.get(name))
+        except ServerError as e:
+            raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
+        if served_as:
+            runs[name]["served_as"] = served_as
+    return runs
+
+
+def _offline_prediction(target, draft_dir, runs: dict, prompts, s: dict, k: int, generation: dict, *, engine,
+                        hidden_dtype, hidden_backend, log) -> tuple:
+    """-> (the target in transformers or None, the offline prediction ``predict.offline_acceptance``, or
+    why there is none)."""
+    off = s["offline"]
+    if engine != "transformers":
+        offline = {"skipped": OFFLINE_SKIPPED.format(backend=hidden_backend)}
+        log(f"validate_draft: no offline prediction: {offline['skipped']}")
+        return None, offline
+    offline_dtype = off["dtype"] or hidden_dtype
+    log(f"validate_draft: offline prediction ({off['tokens']} sequences, {offline_dtype})")
+    sequences = None
+    if off["tokens"] == "served":
+        sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in runs["baseline"]["answers"]]
+    model = load_target(target, device=off["device"], dtype=offline_dtype)
+    offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
+                                 chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
+                                 device=off["device"], model=model)
+    log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
+        f"({offline['drafts']} drafts, {offline['seconds']} s)")
+    return model, offline
+
+
+def _report(drafts: dict, formats: dict, runs: dict, offline: dict, sets, s: dict, srv: ServerConfig, *, target, prompts,
+            generation, checkpoint_path, metrics_path, curve_paths) -> tuple[dict, dict]:
+    """-> (the report dict ``report.build_report`` makes of the runs, the training metrics' columns)."""
+    draft_dir, k = next(iter(drafts.values())), s["num_speculative_tokens"]
+    checks = cross_checks(target, prompts, runs, generation, offline)
+    if checkpoint_path is not None:
+        # Every exported format against the training checkpoint, each read back as vLLM reads it.
+        checks["export_vs_training"] = [f"{fmt} format: {d}" if len(drafts) > 1 else d for fmt, path in drafts.items()
+                                        for d in export_differences(path, checkpoint_path)]
+    curves = read_train_metrics(metrics_path)
+    matrix = build_matrix(runs, sets=sets, temperatures=s["temperatures"], top_p=s["top_p"], seed=s["seed"], k=k,
+                          offline=offline, warn_below=s["warn_below"])
+    curve = learning_curve([json.loads(Path(p).read_text()) for p in curve_paths], runs["eagle3"], curves, len(prompts))
+    report = build_report(
+        matrix=matrix, curve=curve, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
+        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
+        settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": s["offline"],
+                  "warmup_requests": s["warmup_requests"], "min_seconds": s["min_seconds"],
+                  "served_model": srv.model_id, "tensor_parallel_size": srv.tensor_parallel_size,
+                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port or 'a free port per run'}",
+                  **draft_vocabulary(draft_dir)},
+    )
+    return report, curves
+
+
+def _log_summary(report: dict, offline: dict, concurrency, json_path, html_path, log) -> None:
+    per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
+    versus = f"{offline['acceptance_length']:.3f} offline" if "acceptance_length" in offline else "no offline prediction"
+    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {versus}, "
+        f"n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
+        f"at a time, ×{report['speedup_concurrent']:.2f} at {concurrency} in flight; "
+        f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
+    if report.get("curve"):
+        log("validate_draft: acceptance along training: " + ", ".join(
+            f"step {p['step']} {p['acceptance_length']:.3f}" for p in report["curve"]["points"]))
+
+
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
                    validate: dict | None = None, target=None, hidden_dtype="bfloat16", hidden_backend="transformers",
                    checkpoint_path=None,
@@ -365,104 +499,23 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])  # the headline's: T=0
     # The matrix: every set at every temperature, each measured on every server start.
     sets = resolve_sets(s["datasets"], heldout_path)
-    cells = []
-    for spec in sets:
-        rows = prompts if spec["name"] == "heldout" else load_set(spec, cache_dir)
-        some = rows[:s["matrix_prompts"]] if s["matrix_prompts"] else rows  # one request at a time costs their tokens
-        log(f"validate_draft: evaluation set '{spec['name']}' ({spec['path']}): {len(rows)} prompts, {len(some)} a cell")
-        spec["prompts"], spec["cell_prompts"] = len(rows), len(some)
-        for t in s["temperatures"]:
-            headline = spec["name"] == "heldout" and t == 0
-            cells.append({"set": spec["name"], "temperature": t, "prompts": rows if headline else some, "headline": headline,
-                          "settings": request_settings(s["max_tokens"], generation, temperature=t, top_p=s["top_p"],
-                                                       seed=s["seed"], chat_template_kwargs=spec["chat_template_kwargs"])})
-    runs, formats = {}, {}  # formats: {export format: its run's name}
-    plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
-    version = vllm_version(srv.python)  # how a speculators draft can be started differs by release
-    if supported_version_note(version):
-        log(f"validate_draft: {supported_version_note(version)}")
-    for i, (fmt, path) in enumerate(drafts.items()):
-        formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
-        plan[name] = launch(fmt, path, k, srv.model, version)
-    plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
-    off = s["offline"]
-    engine = off["engine"] if off["engine"] != "auto" else "transformers" if hidden_backend == "transformers" else "none"
-    before_stop = {}
-    if engine == "none":
-        # No transformers copy of the target: the target-alone server scores every run's outputs, so it runs last.
-        plan["baseline"] = plan.pop("baseline")
-
-        def score_on_server(url, api_key, result):
-            cells = [c for r in (*runs.values(), result) for c in r.get("cells", [])]
-            log(f"validate_draft: scoring {sum(len(c['answers']) for c in cells)} outputs with the target alone's "
-                f"prompt_logprobs (validate.offline.engine none)")
-            for c in cells:
-                c["scores"] = served_scores(url, srv.model_id, answer_sequences(c), api_key=api_key,
-                                            concurrency=s["concurrency"])
-
-        before_stop["baseline"] = score_on_server
-    for name, (model, spec, served_as) in plan.items():
-        log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
-        # The served name stays the target's when --model is a speculators draft directory.
-        run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
-        try:
-            runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
-                                     warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
-                                     workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k,
-                                     cells=cells, before_stop=before_stop.get(name))
-        except ServerError as e:
-            raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
-        if served_as:
-            runs[name]["served_as"] = served_as
-
-    offline_dtype = off["dtype"] or hidden_dtype
-    if engine == "transformers":
-        log(f"validate_draft: offline prediction ({off['tokens']} sequences, {offline_dtype})")
-        sequences = None
-        if off["tokens"] == "served":
-            sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in runs["baseline"]["answers"]]
-        model = load_target(target, device=off["device"], dtype=offline_dtype)
-        offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
-                                     chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
-                                     device=off["device"], model=model)
-        log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
-            f"({offline['drafts']} drafts, {offline['seconds']} s)")
-    else:
-        model, offline = None, {"skipped": OFFLINE_SKIPPED.format(backend=hidden_backend)}
-        log(f"validate_draft: no offline prediction: {offline['skipped']}")
+    cells = _matrix_cells(s, sets, prompts, generation, cache_dir, log)
+    plan, formats = _run_plan(drafts, srv, s, k, log)
+    engine = _offline_engine(s["offline"], hidden_backend)
+    runs = _measure_runs(plan, srv, s, k, prompts, settings, cells, engine=engine, log_dir=log_dir,
+                         workflow_pid=workflow_pid, log=log)
+    model, offline = _offline_prediction(target, draft_dir, runs, prompts, s, k, generation, engine=engine,
+                                         hidden_dtype=hidden_dtype, hidden_backend=hidden_backend, log=log)
     score_cells(runs, model, alpha=s["lossless_alpha"], tolerance=s["lossless_tolerance"], log=log)
     del model
 
-    checks = cross_checks(target, prompts, runs, generation, offline)
-    if checkpoint_path is not None:
-        # Every exported format against the training checkpoint, each read back as vLLM reads it.
-        checks["export_vs_training"] = [f"{fmt} format: {d}" if len(drafts) > 1 else d for fmt, path in drafts.items()
-                                        for d in export_differences(path, checkpoint_path)]
-    curves = read_train_metrics(metrics_path)
-    matrix = build_matrix(runs, sets=sets, temperatures=s["temperatures"], top_p=s["top_p"], seed=s["seed"], k=k,
-                          offline=offline, warn_below=s["warn_below"])
-    curve = learning_curve([json.loads(Path(p).read_text()) for p in curve_paths], runs["eagle3"], curves, len(prompts))
-    report = build_report(
-        matrix=matrix, curve=curve, target=target, draft_dir=draft_dir, k=k, prompts=len(prompts), max_tokens=s["max_tokens"], runs=runs,
-        offline=offline, train=train_summary(curves, k), checks=checks, warn_below=s["warn_below"], formats=formats,
-        settings={"concurrency": s["concurrency"], "ngram": s["ngram"], "offline": off, "warmup_requests": s["warmup_requests"],
-                  "min_seconds": s["min_seconds"],
-                  "served_model": srv.model_id, "tensor_parallel_size": srv.tensor_parallel_size,
-                  "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port or 'a free port per run'}",
-                  **draft_vocabulary(draft_dir)},
-    )
+    report, curves = _report(drafts, formats, runs, offline, sets, s, srv, target=target, prompts=prompts,
+                             generation=generation, checkpoint_path=checkpoint_path, metrics_path=metrics_path,
+                             curve_paths=curve_paths)
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves, csv_path=csv_path)
     matrix_lines = matrix_markdown(report["matrix"]) if report.get("matrix") else []
     for fmt, path in drafts.items():
         write_validation(path, report, fmt, matrix_lines)
-    per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
-    versus = f"{offline['acceptance_length']:.3f} offline" if "acceptance_length" in offline else "no offline prediction"
-    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {versus}, "
-        f"n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
-        f"at a time, ×{report['speedup_concurrent']:.2f} at {s['concurrency']} in flight; "
-        f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
-    if curve:
-        log("validate_draft: acceptance along training: " + ", ".join(
-            f"step {p['step']} {p['acceptance_length']:.3f}" for p in curve["points"]))
+    _log_summary(report, offline, s["concurrency"], json_path, html_path, log)
     return report
