@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from eaglenest.config import load_config  # noqa: E402
 from eaglenest.draft.vllm_format import launch
 from eaglenest.serving.settings import ServerConfig  # noqa: E402
-from eaglenest.serving.vllm import speculative_config  # noqa: E402
+from eaglenest.vllm_facts import speculative_config  # noqa: E402
 from eaglenest.validation.validate import measure_run, read_prompts, request_settings, resolve_settings  # noqa: E402
 
 

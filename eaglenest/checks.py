@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .data.prompts import looks_local, same_prompts
 from .errors import ConfigError
-from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
+from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
 
 def local_target_config(model: str, workdir: Path) -> dict | None:

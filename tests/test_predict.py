@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eaglenest.draft.model import Eagle3Draft
-from eaglenest.serving.vllm import acceptance
+from eaglenest.vllm_facts import acceptance
 from eaglenest.validation.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
 
 

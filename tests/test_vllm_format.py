@@ -7,8 +7,8 @@ import pytest
 
 from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, draft_config_from_json, draft_config_json, served_aux_layers
-from eaglenest.serving.vllm import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
-                                    speculative_config)
+from eaglenest.vllm_facts import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
+                                 speculative_config)
 
 # What vLLM 0.32's /metrics serves with a speculative config (prometheus_client text format), two engines.
 METRICS_BEFORE = """\

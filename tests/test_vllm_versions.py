@@ -8,10 +8,10 @@ import pytest
 
 from eaglenest.draft import vllm_format as draft_format
 from eaglenest.draft.vllm_format import launch, serve_line
-from eaglenest.serving.vllm import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed,
-                                    extraction_server_args, supported_version_note, version_at_least, vllm_version)
+from eaglenest.serving.vllm import NO_CHUNKED_PREFILL, chunked_prefill_allowed, extraction_server_args
 from eaglenest.states import extract as extract_vllm
 from eaglenest.states.target import target_info
+from eaglenest.vllm_facts import check_aux_layers, supported_version_note, version_at_least, vllm_version
 
 
 def test_version_at_least_reads_release_strings():

@@ -1,8 +1,8 @@
 """The draft checkpoint in vLLM's EAGLE-3 format and in the speculators format: what export writes
 and validation reads back, from the same code, so the two cannot drift (vLLM 0.32 to 0.34).
 
-The layer-id convention, vLLM's releases and its command lines are serving facts
-(``eaglenest.serving.vllm``); this module holds what a draft directory carries.
+The layer-id convention, vLLM's releases and what it reads and writes as a server are
+``eaglenest.vllm_facts``; this module holds what a draft directory carries.
 
 What ``config.json`` carries and why:
 
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from ..serving.vllm import (LOCAL_VERIFIER_REFUSED_FROM, NUM_AUX_LAYERS, default_aux_layers, speculative_config,
-                             version_at_least)
+from ..vllm_facts import (LOCAL_VERIFIER_REFUSED_FROM, NUM_AUX_LAYERS, default_aux_layers, speculative_config,
+                          version_at_least)
 from .config import DraftConfig
 
 # ----------------------------------------------------------------------------- vocabulary maps

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..gguf import is_gguf
-from ..serving.vllm import aux_layers as choose_aux_layers
+from ..vllm_facts import choose_aux_layers
 
 HEAD_FORMAT = "eaglenest.target_head/1"
 

@@ -37,9 +37,9 @@ from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
 from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
-from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
-                            speculative_config, supported_version_note, vllm_version)
 from ..states.target import load_target
+from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
+                          speculative_config, supported_version_note, vllm_version)
 from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
