@@ -16,10 +16,11 @@ import torch
 import yaml
 
 from conftest import TOY_TARGET, K, eager, measure_draft, run_snakemake, write_config
-from eaglenest.draft.export import VALIDATION_MARK, export_draft, load_exported, write_validation
+from eaglenest.draft.export import export_draft, load_exported
 from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
                                          flat_config, launch, speculators_config_json)
 from eaglenest.util import save_safetensors
+from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
 from test_train import run
 

@@ -14,7 +14,7 @@
   (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
 - the training curves, the cross-checks and the findings (``report``), whether the formats agree;
-- then the acceptance figures go into each draft's model card (``export.write_validation``).
+- then the acceptance figures go into each draft's model card (``card.write_validation``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
-from ..draft.export import write_validation
 from ..draft.vllm_format import flat_config, launch
 from ..errors import ServerError, TracesError, ValidationError
 from ..serving.lifecycle import wait_ready
@@ -40,6 +39,7 @@ from ..serving.settings import ServerConfig
 from ..states.target import load_target
 from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
                           speculative_config, supported_version_note, vllm_version)
+from .card import write_validation
 from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
