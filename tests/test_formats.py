@@ -145,7 +145,7 @@ def test_speculators_config_names_the_verifier_as_given():
     from eaglenest.draft.config import DraftConfig
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)
+                      target_vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)
     config = speculators_config_json(cfg, [1, 2, 3], verifier="toy/target", k=3)
     assert config["speculators_config"]["verifier"]["name_or_path"] == "toy/target"  # as the config gives it
     assert config["norm_before_residual"] is True and config["target_hidden_size"] == 32

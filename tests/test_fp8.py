@@ -48,7 +48,7 @@ def test_fp8_true_where_it_cannot_run_says_what_to_do(device, capability, has_to
 def make_model(intermediate_size):
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=H, intermediate_size=intermediate_size, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
+                      head_dim=8, target_vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
                       rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     model = Eagle3Draft(cfg)
     for p in model.parameters():

@@ -95,7 +95,7 @@ def tensor_shapes(cfg) -> dict:
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
+        "t2d": (cfg.target_vocab_size,),
     }
 
 
@@ -115,7 +115,7 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
         "rope_parameters": dict(cfg.rope_parameters),
         "rope_theta": cfg.rope_parameters.get("rope_theta"),  # for readers older than transformers 5
         "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
@@ -148,7 +148,7 @@ def draft_config_from_json(config: dict):
         num_attention_heads=config["num_attention_heads"],
         num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
         head_dim=config.get("head_dim") or hidden // config["num_attention_heads"],
-        vocab_size=config["vocab_size"],
+        target_vocab_size=config["vocab_size"],
         draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         target_hidden_size=config.get("target_hidden_size", hidden),
         num_aux_layers=len(ids) or NUM_AUX_LAYERS,
@@ -177,7 +177,7 @@ def vllm_tensors(state_dict, cfg, dtype="bfloat16") -> dict:
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"{name}: shape {tuple(t.shape)}, vLLM expects {shapes[name]}")
         out[name] = t.detach().to("cpu", getattr(torch, dtype) if t.is_floating_point() else t.dtype).contiguous()
-    if cfg.draft_vocab_size == cfg.vocab_size:
+    if cfg.draft_vocab_size == cfg.target_vocab_size:
         if out["d2t"].any():
             raise ValueError("a draft vocabulary as large as the target's must be the identity (d2t all zero)")
         del out["d2t"]  # vLLM has no draft_id_to_target_id then (llama_eagle3.py) and would refuse it
@@ -189,7 +189,7 @@ def state_dict_from_vllm(tensors: dict, cfg) -> dict:
     maps it leaves implicit (no ``d2t`` when the vocabularies match; ``t2d`` all true then)."""
     state = _rename_prefix(tensors, LAYER_PREFIX["speculators"], LAYER_PREFIX["vllm"])  # either format's names
     state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-    state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+    state.setdefault("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
     return state
 
 
