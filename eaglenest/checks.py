@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.prompts import looks_local, same_prompts
+from .data.prompts import is_local_dataset, same_prompts
 from .errors import ConfigError
+from .util import is_local_path
 from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
 
@@ -24,7 +25,7 @@ def local_target_config(model: str, workdir: Path) -> dict | None:
     if (local / "config.json").is_file():
         return target_config(str(local))
     cfg = target_config(model)
-    if cfg is None and "/" in model and not looks_local(model) and not (workdir / model).exists() and fetch_config(model):
+    if cfg is None and "/" in model and not is_local_path(model, workdir) and fetch_config(model):
         cfg = target_config(model)
     return cfg
 
@@ -199,7 +200,7 @@ def check_datasets(config: dict, workdir: Path) -> list[str]:
         (f"validate.datasets[{i}].path ({d['name']})", d["path"]) for i, d in enumerate(config["validate"]["datasets"])]
     errors = []
     for key, path in paths:
-        if looks_local(path) and not (workdir / Path(path).expanduser()).exists():
+        if is_local_dataset(path, workdir) and not (workdir / Path(path).expanduser()).exists():
             errors.append(f"{key} {path}: no such file or directory (relative to the working directory "
                           f"{workdir.resolve()}); fix the path, or give a Hugging Face dataset name (org/name)")
     return errors

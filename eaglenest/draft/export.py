@@ -7,16 +7,15 @@ same module). Validation adds its figures to the card later (``validation.card``
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from ..util import save_safetensors, say
+from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .model import Eagle3Draft
 from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
-                          speculators_config_json, verifier_is_path, verifier_of, vllm_tensors)
+                          speculators_config_json, verifier_of, vllm_tensors)
 
 
 def front_matter(config, card) -> str:
@@ -28,7 +27,7 @@ def front_matter(config, card) -> str:
         lines.append(f"base_model: {json.dumps(str(target))}")
     lines += ["library_name: vllm", "tags:"] + [f"- {t}" for t in tags]
     dataset = card.get("dataset")
-    if dataset and not os.path.exists(dataset):  # the hub wants dataset ids, not local paths
+    if dataset and not is_local_path(dataset):  # the hub wants dataset ids, not local paths
         lines += ["datasets:", f"- {json.dumps(str(dataset))}"]
     license_ = card.get("license")
     lines.append(f"license: {license_}" if license_ else
@@ -75,7 +74,7 @@ def model_card(config, info, card, train=None, k=3) -> str:
     if fmt == "speculators":
         lines += [f"vLLM starts the verifier named in config.json (`{verifier_of(config)}`) with this draft "
                   "attached; publish it with the verifier's hub name there.", ""]
-        if verifier_is_path(verifier_of(config)):
+        if is_local_path(verifier_of(config)):
             lines += [f"`{verifier_of(config)}` is a local path: vLLM 0.33 and later refuse it in `vllm serve "
                       "THIS_DIR` (\"Speculators verifier must name a remote model repository\"), hence the "
                       "command above; export again with `export.verifier` set to the hub name before publishing.", ""]
@@ -95,7 +94,7 @@ def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(config, info, card, train, k))
     say(f"export: {'trained' if train else 'untrained'} draft, {fmt} format -> {out_dir}")
-    if fmt == "speculators" and verifier_is_path(verifier_of(config)):
+    if fmt == "speculators" and is_local_path(verifier_of(config)):
         say(f"export: the speculators draft names the local verifier {verifier_of(config)!r}; vLLM 0.33 and later "
             "refuse a local path in `vllm serve <draft dir>`: set export.verifier to the target's hub name "
             "(e.g. meta-llama/Llama-3.1-8B-Instruct) before publishing")

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from ..util import is_local_path
 from ..vllm_facts import (LOCAL_VERIFIER_REFUSED_FROM, NUM_AUX_LAYERS, default_aux_layers, speculative_config,
                           version_at_least)
 from .config import DraftConfig
@@ -277,8 +278,7 @@ def speculative_tokens_of(config: dict) -> int | None:
     return methods[0].get("speculative_tokens")
 
 
-
-def verifier_is_local(name) -> bool:
+def verifier_resolves_here(name) -> bool:
     """Whether vLLM can start the verifier ``name`` here without the hub: a directory (relative to
     this process's working directory, as the server's) or a hub name already in the local cache."""
     if Path(name).is_dir():
@@ -291,14 +291,7 @@ def verifier_is_local(name) -> bool:
         return False
 
 
-def verifier_is_path(name) -> bool:
-    """Whether a verifier name is a local path (what vLLM 0.33 and later refuse in ``vllm serve <draft
-    dir>``) rather than a hub name: an existing path here, or one spelled as a path."""
-    name = str(name)
-    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
-
-
-def launch(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict | None, str]:
+def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict | None, str]:
     """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens
     on vLLM ``version`` (the release that will serve it; None: unknown).
 
@@ -313,9 +306,10 @@ def launch(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict
         return (*fallback, "--speculative-config")
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     verifier = verifier_of(config)
-    if not (verifier and verifier_is_local(verifier)):
+    if not (verifier and verifier_resolves_here(verifier)):
         return (*fallback, f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
-    if verifier_is_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
+    # vLLM 0.33 and later refuse a local path (util.is_local_path) as the verifier in `vllm serve <draft dir>`.
+    if is_local_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
         release = f"vLLM {version}" if version else "vLLM from 0.33 (the release here is unknown)"
         return (*fallback, f"--speculative-config ({release} refuses the local verifier {verifier!r} in "
                            "`vllm serve <draft dir>`: publish with export.verifier set to its hub name)")
@@ -327,7 +321,7 @@ def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) ->
     """How a user serves a draft of format ``fmt``: the speculative config for vLLM's format; the draft
     directory alone for the speculators format (vLLM starts the verifier its config.json names), but
     where that verifier is a local path, which vLLM 0.33 and later refuse there."""
-    if fmt == "speculators" and not (verifier and verifier_is_path(verifier)):
+    if fmt == "speculators" and not (verifier and is_local_path(verifier)):
         return f"vllm serve {draft_dir}"
     spec = json.dumps({**speculative_config("eagle3", k, "."), "model": str(draft_dir)}, separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{spec}'"

@@ -4,7 +4,7 @@
 
 - vLLM runs over the held-out prompts, one server at a time (each stopped before the next
   starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
-  each exported format (the speculators one started as its users start it, ``vllm_format.launch``),
+  each exported format (the speculators one started as its users start it, ``vllm_format.how_to_serve``),
   the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run, on one server start: output tokens/s and per-token latency
   with one request at a time (``one_request``), then output tokens/s and mean latency with
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
-from ..draft.vllm_format import flat_config, launch
+from ..draft.vllm_format import flat_config, how_to_serve
 from ..errors import ServerError, TracesError, ValidationError
 from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
@@ -383,7 +383,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
         log(f"validate_draft: {supported_version_note(version)}")
     for i, (fmt, path) in enumerate(drafts.items()):
         formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
-        plan[name] = launch(fmt, path, k, srv.model, version)
+        plan[name] = how_to_serve(fmt, path, k, srv.model, version)
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
     off = s["offline"]
     engine = off["engine"] if off["engine"] != "auto" else "transformers" if hidden_backend == "transformers" else "none"
