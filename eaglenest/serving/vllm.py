@@ -52,8 +52,8 @@ def single_process_worker(cfg) -> bool:
     serves (tensor_parallel_size 1) and extra_args ask nothing else. vLLM's GPU platform does this by
     itself; its CPU platform turns it into a worker process of its own unless
     VLLM_ENABLE_V1_MULTIPROCESSING=0 (``platforms/cpu.py``, ``check_and_update_config``). That process
-    is spawned and imports vLLM and torch again: on a 2-core CPU machine a start took 34-42 s with it
-    and 21-24 s without, with the same throughput (``SINGLE_PROCESS_ENV`` goes with it)."""
+    is spawned and imports vLLM and torch again, which slows every start and buys no throughput
+    (benchmarks/RESULTS.md, "Figures moved out of code comments"); ``SINGLE_PROCESS_ENV`` goes with it."""
     # vLLM's parser takes --a_b as --a-b
     flags = {str(a).split("=", 1)[0].replace("_", "-") for a in cfg.extra_args}
     return cfg.tensor_parallel_size == 1 and not flags & MULTI_WORKER_FLAGS
