@@ -167,7 +167,7 @@ def speculative_config(method: str, k: int, draft_dir=None, ngram=None) -> dict 
 
 def last_start(log_path) -> str:
     """The text of the last start in a server log (each start begins with a ``=== `` line, written by
-    server.start_local); empty when there is no log."""
+    serving.local.start_local); empty when there is no log."""
     try:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
