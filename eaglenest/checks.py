@@ -16,7 +16,7 @@ from .util import is_local_path
 from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
 
-def local_target_config(model: str, workdir: Path) -> dict | None:
+def find_target_config(model: str, workdir: Path) -> dict | None:
     """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache; a hub name
     not in the cache is fetched into it where the hub answers (``fetch_config``)."""
     from .states.target import target_config  # imports torch: only where a plan is made
@@ -213,7 +213,7 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
     workdir = Path(workdir)
     errors, skipped = [], []
     model = config["hidden"]["target"] or config["server"]["model"]
-    cfg = local_target_config(model, workdir)
+    cfg = find_target_config(model, workdir)
     if cfg is None:
         skipped.append(f"aux layer ids, draft vocabulary and tensor_parallel_size not checked: no config.json for "
                        f"{model} here (a local directory or the Hugging Face cache) and the hub did not give it (offline, or gated "
