@@ -308,7 +308,6 @@ def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str
     verifier = verifier_of(config)
     if not (verifier and verifier_resolves_here(verifier)):
         return (*fallback, f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
-    # vLLM 0.33 and later refuse a local path (util.is_local_path) as the verifier in `vllm serve <draft dir>`.
     if is_local_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
         release = f"vLLM {version}" if version else "vLLM from 0.33 (the release here is unknown)"
         return (*fallback, f"--speculative-config ({release} refuses the local verifier {verifier!r} in "
