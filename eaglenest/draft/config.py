@@ -1,8 +1,8 @@
 """The draft's shape: one config class that export writes to ``config.json`` (draft.vllm_format) and
 validation reads back. It sits low, so export and the report read a checkpoint without the trainer.
 
-``target_vocab_size`` is stored as ``vocab_size`` (``STORED_AS``), the key vLLM's config.json gives the
-target's vocabulary; checkpoints carry the same key, so checkpoints written before the rename still load."""
+``target_vocab_size`` is stored under ``vocab_size`` (``STORED_AS``), the key vLLM's config.json gives
+the target's vocabulary, in checkpoints too."""
 
 from dataclasses import asdict, dataclass, field
 

@@ -145,9 +145,9 @@ def key_hint(api_key: str | None) -> str:
 def looks_like_local_path(model: str) -> bool:
     """Whether `server.model` names a local path rather than a hub id (`org/name`).
 
-    A path: a local path to `util.is_local_path` (spelled as one, or existing here), more than one
-    slash (a hub id has one), or a first component that is a directory here (`toy/target`). `org/name`
-    with no `org` directory is a hub id."""
+    A path: what `util.is_local_path` calls one (spelled as one, or existing here), a name with more
+    than one slash (a hub id has one), or one whose first component is a directory here (`toy/target`).
+    `org/name` with no `org` directory is a hub id."""
     if is_local_path(model):
         return True
     parts = model.split("/")
