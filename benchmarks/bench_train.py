@@ -153,7 +153,7 @@ def main():
         DV = min(32000, V // 2)
         T = 128 if a.small else a.seq
         cfg = DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
-                          head_dim=H // nh, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H,
+                          head_dim=H // nh, target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H,
                           rms_norm_eps=1e-5, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
         model = Eagle3Draft(cfg, runtime=Runtime.from_config(run)).to(dev)

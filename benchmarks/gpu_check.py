@@ -91,7 +91,7 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     H, V, DV, B, T = 256, 1024, 512, 2, 256
     cfg = DraftConfig(hidden_size=H, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      vocab_size=V, draft_vocab_size=DV, target_hidden_size=H)
+                      target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H)
     torch.manual_seed(0)
     model = Eagle3Draft(cfg)
     for p in model.parameters():  # away from the init so that every weight matters

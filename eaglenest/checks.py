@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.prompts import looks_local, same_prompts
+from .data.prompts import is_local_dataset, same_prompts
 from .errors import ConfigError
-from .serving.vllm import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
+from .util import is_local_path
+from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
 
-def local_target_config(model: str, workdir: Path) -> dict | None:
+def find_target_config(model: str, workdir: Path) -> dict | None:
     """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache; a hub name
     not in the cache is fetched into it where the hub answers (``fetch_config``)."""
     from .states.target import target_config  # imports torch: only where a plan is made
@@ -24,7 +25,7 @@ def local_target_config(model: str, workdir: Path) -> dict | None:
     if (local / "config.json").is_file():
         return target_config(str(local))
     cfg = target_config(model)
-    if cfg is None and "/" in model and not looks_local(model) and not (workdir / model).exists() and fetch_config(model):
+    if cfg is None and "/" in model and not is_local_path(model, workdir) and fetch_config(model):
         cfg = target_config(model)
     return cfg
 
@@ -199,7 +200,7 @@ def check_datasets(config: dict, workdir: Path) -> list[str]:
         (f"validate.datasets[{i}].path ({d['name']})", d["path"]) for i, d in enumerate(config["validate"]["datasets"])]
     errors = []
     for key, path in paths:
-        if looks_local(path) and not (workdir / Path(path).expanduser()).exists():
+        if is_local_dataset(path, workdir) and not (workdir / Path(path).expanduser()).exists():
             errors.append(f"{key} {path}: no such file or directory (relative to the working directory "
                           f"{workdir.resolve()}); fix the path, or give a Hugging Face dataset name (org/name)")
     return errors
@@ -212,7 +213,7 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
     workdir = Path(workdir)
     errors, skipped = [], []
     model = config["hidden"]["target"] or config["server"]["model"]
-    cfg = local_target_config(model, workdir)
+    cfg = find_target_config(model, workdir)
     if cfg is None:
         skipped.append(f"aux layer ids, draft vocabulary and tensor_parallel_size not checked: no config.json for "
                        f"{model} here (a local directory or the Hugging Face cache) and the hub did not give it (offline, or gated "

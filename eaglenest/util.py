@@ -1,4 +1,5 @@
-"""Small helpers every stage shares: atomic file writes, safetensors saving, the log line, progress.
+"""Small helpers every stage shares: atomic file writes, safetensors saving, the log line, progress,
+whether a name is a local path or a hub name.
 
 One logging style: `say` writes one line to stderr, which a rule script has pointed at its log
 (`eaglenest.logs.to_log`). Long work shows progress through `progress_bar`: a tqdm bar on a terminal,
@@ -36,6 +37,23 @@ def usable_threads(wanted: int) -> int:
     except (AttributeError, OSError):  # no affinity on this platform
         cpus = os.cpu_count() or 1
     return max(1, min(wanted, cpus))
+
+
+# Spellings that make a name a local path, never a Hugging Face hub name (``org/name``).
+PATH_PREFIXES = ("/", "./", "../", "~", ".\\")
+
+
+def is_local_path(name, base=None) -> bool:
+    """Whether ``name`` (a model, dataset or verifier) is a local path rather than a hub name: spelled
+    as one (``PATH_PREFIXES``, ``.``, ``..``) or existing here, relative to ``base`` (default: the
+    working directory). Callers add what their kind of name adds (a dataset's file extension)."""
+    name = str(name or "")
+    if not name:
+        return False
+    if name.startswith(PATH_PREFIXES) or name in (".", ".."):
+        return True
+    path = Path(name).expanduser()
+    return (Path(base) / path if base is not None else path).exists()
 
 
 # ---------------------------------------------------------------------------------------------

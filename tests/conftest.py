@@ -518,7 +518,7 @@ def measure_draft(name, wd: Path, cfg: dict, spec: dict, *, server: dict | None 
 
 def eagle3(draft_dir: Path) -> dict:
     """The speculative config that serves the vLLM-format draft in `draft_dir` with K tokens."""
-    from eaglenest.serving.vllm import speculative_config
+    from eaglenest.vllm_facts import speculative_config
 
     return speculative_config("eagle3", K, draft_dir)
 

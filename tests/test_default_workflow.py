@@ -36,7 +36,7 @@ def test_default_workflow_report_meets_the_promise(default_run):
     assert (wd / "reports/validation.html").read_text().count("<svg") >= 1
     # vLLM's own log: the generation server's KV cache (server.kv_cache_gb) holds generation.concurrency
     # sequences of max_model_len tokens, and every validation server ran the same way as the others.
-    from eaglenest.serving.vllm import kv_cache_facts
+    from eaglenest.vllm_facts import kv_cache_facts
 
     facts = kv_cache_facts(wd / "logs/server/vllm.log")
     assert facts["kv_cache_sized"] == "explicit", facts
@@ -107,7 +107,7 @@ def _wrong_export(src: Path, dst: Path, **changes) -> Path:
 def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
     """A draft whose config.json disagrees with its training is named by the export check, and vLLM
     (which believes the config) accepts it far less often than the draft as trained."""
-    from eaglenest.serving.vllm import speculative_config
+    from eaglenest.vllm_facts import speculative_config
     from eaglenest.validation.report import export_differences
 
     wd, cfg, report = default_run

@@ -57,10 +57,17 @@ def test_untrained_export_has_the_same_shape(checkpoint, data, tmp_path):
     assert "randomly initialised" in (tmp_path / "untrained" / "README.md").read_text()
 
 
+def test_a_checkpoint_stores_the_target_vocabulary_under_vllms_key():
+    cfg = make_model().config
+    stored = cfg.to_dict()
+    assert stored["vocab_size"] == cfg.target_vocab_size and "target_vocab_size" not in stored
+    assert type(cfg).from_dict(stored) == cfg
+
+
 def test_full_size_draft_vocab_leaves_d2t_out():
     model = make_model()
     cfg = model.config
-    cfg.draft_vocab_size = cfg.vocab_size  # a toy vocabulary: the draft keeps all of it
+    cfg.draft_vocab_size = cfg.target_vocab_size  # a toy vocabulary: the draft keeps all of it
     full = type(model)(cfg).state_dict()
     tensors = vllm_tensors(full, cfg)
     assert "d2t" not in tensors and tensors["t2d"].all()  # vLLM builds no draft_id_to_target_id then

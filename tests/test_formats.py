@@ -16,10 +16,11 @@ import torch
 import yaml
 
 from conftest import TOY_TARGET, K, eager, measure_draft, run_snakemake, write_config
-from eaglenest.draft.export import VALIDATION_MARK, export_draft, load_exported, write_validation
+from eaglenest.draft.export import export_draft, load_exported
 from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
-                                         flat_config, launch, speculators_config_json)
+                                         flat_config, how_to_serve, speculators_config_json)
 from eaglenest.util import save_safetensors
+from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
 from test_train import run
 
@@ -123,7 +124,7 @@ def test_model_cards_have_hub_front_matter_and_take_the_validation_figures(both)
 
 
 def test_a_speculators_draft_is_served_as_the_model_where_its_verifier_resolves(both, tmp_path):
-    model, spec, how = launch("speculators", both / "speculators", 4, "org/tiny-target")  # k as in the file
+    model, spec, how = how_to_serve("speculators", both / "speculators", 4, "org/tiny-target")  # k as in the file
     assert spec is not None and spec["model"] == str((both / "speculators").resolve())  # a hub name, no hub here
     assert model == "org/tiny-target" and "does not resolve" in how
     local = tmp_path / "local"
@@ -132,11 +133,11 @@ def test_a_speculators_draft_is_served_as_the_model_where_its_verifier_resolves(
     config["speculators_config"]["verifier"]["name_or_path"] = str(TOY_TARGET)
     (local / "config.json").write_text(json.dumps(config))
     # a local verifier: served as the model where vLLM takes one (0.32), else through the target
-    assert launch("speculators", local, 4, "x", "0.32.0") == (str(local.resolve()), None,
+    assert how_to_serve("speculators", local, 4, "x", "0.32.0") == (str(local.resolve()), None,
                                                              f"vllm serve <draft dir> (verifier {TOY_TARGET})")
-    assert launch("speculators", local, 3, "x", "0.32.0")[1] == {"num_speculative_tokens": 3}  # k differs from the file's
+    assert how_to_serve("speculators", local, 3, "x", "0.32.0")[1] == {"num_speculative_tokens": 3}  # k differs from the file's
     for version in ("0.33.0", "0.34.0", None):
-        model, spec, how = launch("speculators", local, 4, "x", version)
+        model, spec, how = how_to_serve("speculators", local, 4, "x", version)
         assert model == "x" and spec["model"] == str(local.resolve()) and "export.verifier" in how, version
 
 
@@ -144,7 +145,7 @@ def test_speculators_config_names_the_verifier_as_given():
     from eaglenest.draft.config import DraftConfig
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)
+                      target_vocab_size=100, draft_vocab_size=40, target_hidden_size=32, norm_before_residual=True)
     config = speculators_config_json(cfg, [1, 2, 3], verifier="toy/target", k=3)
     assert config["speculators_config"]["verifier"]["name_or_path"] == "toy/target"  # as the config gives it
     assert config["norm_before_residual"] is True and config["target_hidden_size"] == 32
@@ -192,7 +193,7 @@ def validated(default_run):
     shifted = torch.roll(draft_to_target_ids(d2t), 1)
     tensors["d2t"] = shifted - torch.arange(len(d2t))
     save_safetensors(tensors, wrong / "model.safetensors", {"format": "pt"})
-    model, spec, _ = launch("vllm", wrong, K, cfg["server"]["model"])
+    model, spec, _ = how_to_serve("vllm", wrong, K, cfg["server"]["model"])
     wrong_run = measure_draft("wrong_d2t", wd, cfg, spec, server=eager(cfg["server"]))
     return wd, report, wrong_run
 

@@ -61,7 +61,7 @@ def test_float8_linears_match_bf16_products_and_their_gradients(rows):
 def make_model(intermediate_size):
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=H, intermediate_size=intermediate_size, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
+                      head_dim=8, target_vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
                       rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     model = Eagle3Draft(cfg)
     for p in model.parameters():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from eaglenest.serving.vllm import default_aux_layers
+from eaglenest.vllm_facts import default_aux_layers
 from eaglenest.states import hidden
 from eaglenest.states.hidden import DiskSpaceError, HiddenShards, extract_hidden
 from conftest import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target

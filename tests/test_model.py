@@ -17,7 +17,7 @@ def make_model(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = DraftConfig(
         hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        target_vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         **overrides,
     )
     model = Eagle3Draft(cfg)
@@ -48,7 +48,7 @@ def test_hidden_size_must_match_the_shared_embedding():
     with pytest.raises(ValueError, match="shares the target's token embedding"):
         DraftConfig(
             hidden_size=16, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-            vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
+            target_vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
         )
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eaglenest.draft.model import Eagle3Draft
-from eaglenest.serving.vllm import acceptance
+from eaglenest.vllm_facts import acceptance
 from eaglenest.validation.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
 
 
@@ -70,7 +70,7 @@ def tiny(tmp_path_factory):
                       bos_token_id=0, pad_token_id=2)
     target = LlamaForCausalLM(cfg).eval()
     dcfg = DraftConfig(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=VOCAB, draft_vocab_size=40, target_hidden_size=HIDDEN,
+                       head_dim=16, target_vocab_size=VOCAB, draft_vocab_size=40, target_hidden_size=HIDDEN,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=256)
     draft = Eagle3Draft(dcfg)
     ids = torch.arange(0, VOCAB, 2)[:40]  # every other target id: d2t = offsets, not zero

@@ -14,8 +14,8 @@ from conftest import free_port
 from eaglenest.errors import EaglenestError
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import start_server, stop_server, wait_ready
-from eaglenest.serving.local import (LocalPaths, busy_gpus, launch_env, server_command, start_local, stop_local,
-                                     vllm_command)
+from eaglenest.serving.local import (LocalPaths, busy_gpus, guarded_server_command, launch_env, server_command,
+                                     start_local, stop_local)
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import (RUN_KEY_FILE, ServerConfig, check_model_path, forget_run_key,
                                         looks_like_local_path, run_key)
@@ -27,7 +27,7 @@ def test_command_carries_settings_but_no_secret(monkeypatch):
     monkeypatch.setenv("MY_KEY", "s3cret")
     cfg = ServerConfig(model="m", served_model_name="toy", port=8123, tensor_parallel_size=8, max_model_len=4096,
                        reasoning_parser="kimi_k2", extra_args=["--enable-prefix-caching"], api_key_env="MY_KEY")
-    cmd = vllm_command(cfg)
+    cmd = guarded_server_command(cfg)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     for a, b in [("--model", "m"), ("--tensor-parallel-size", "8"), ("--max-model-len", "4096"),
                  ("--reasoning-parser", "kimi_k2"), ("--served-model-name", "toy"), ("--host", "127.0.0.1")]:
@@ -47,7 +47,7 @@ def test_one_device_runs_its_worker_in_the_engine_process(tp, extra, single):
     """vLLM's CPU platform makes the worker a process of its own unless both the executor flag and the
     environment say otherwise (serving.vllm.single_process_worker); a user's own choice stays."""
     cfg = ServerConfig(model="m", tensor_parallel_size=tp, extra_args=extra)
-    cmd, env = vllm_command(cfg), launch_env(cfg, None)
+    cmd, env = guarded_server_command(cfg), launch_env(cfg, None)
     assert (cmd.count("--distributed-executor-backend") == 1 and cmd[cmd.index("--distributed-executor-backend") + 1]
             == "uni") is single
     assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is single
@@ -73,10 +73,10 @@ def test_a_server_beyond_loopback_needs_a_key(mode, host, needs):
 def test_a_server_with_a_key_loads_the_key_guard_from_this_checkout(monkeypatch):
     from eaglenest.serving.local import CHECKOUT, KEY_GUARD
 
-    assert "--middleware" not in vllm_command(ServerConfig(model="m"))  # loopback, no key
+    assert "--middleware" not in guarded_server_command(ServerConfig(model="m"))  # loopback, no key
     for cfg in (ServerConfig(model="m", host="0.0.0.0"), ServerConfig(model="m", mode="slurm"),
                 ServerConfig(model="m", api_key_env="K")):
-        cmd = vllm_command(cfg)
+        cmd = guarded_server_command(cfg)
         assert cmd[cmd.index("--middleware") + 1] == KEY_GUARD
     env = launch_env(ServerConfig(model="m", host="0.0.0.0", env={"PYTHONPATH": "/elsewhere"}), "k")
     assert env["PYTHONPATH"] == f"{CHECKOUT}{os.pathsep}/elsewhere"

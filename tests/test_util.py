@@ -81,3 +81,13 @@ def test_usable_threads_never_exceed_the_cpus_the_process_may_run_on():
     one_cpu = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
                "from eaglenest.util import usable_threads; print(usable_threads(8))")
     assert subprocess.run([sys.executable, "-c", one_cpu], capture_output=True, text=True, check=True).stdout.strip() == "1"
+
+
+def test_a_name_is_a_local_path_when_spelled_as_one_or_present_else_a_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    for spelled in ("/abs/missing", "./missing", "../missing", "~/missing", ".", ".."):
+        assert util.is_local_path(spelled), spelled
+    assert util.is_local_path("models/m") and util.is_local_path(tmp_path / "models")  # present here
+    assert not util.is_local_path("org/name") and not util.is_local_path("gpt2") and not util.is_local_path("")
+    assert util.is_local_path("m", base=tmp_path / "models") and not util.is_local_path("models/m", base=tmp_path / "models")

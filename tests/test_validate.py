@@ -5,7 +5,7 @@ demand). Fast: no vLLM."""
 import json
 import pytest
 
-from eaglenest.serving.vllm import acceptance, spec_counters
+from eaglenest.vllm_facts import acceptance, spec_counters
 from eaglenest.validation import validate
 from eaglenest.validation.validate import counter_delta
 from test_vllm_format import METRICS_BEFORE, _after

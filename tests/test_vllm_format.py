@@ -7,8 +7,8 @@ import pytest
 
 from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, draft_config_from_json, draft_config_json, served_aux_layers
-from eaglenest.serving.vllm import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
-                                    speculative_config)
+from eaglenest.vllm_facts import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
+                                 speculative_config)
 
 # What vLLM 0.32's /metrics serves with a speculative config (prometheus_client text format), two engines.
 METRICS_BEFORE = """\
@@ -98,7 +98,7 @@ def test_default_aux_layers():
 
 
 DRAFT = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    vocab_size=100, draft_vocab_size=40, target_hidden_size=64, max_position_embeddings=256,
+                    target_vocab_size=100, draft_vocab_size=40, target_hidden_size=64, max_position_embeddings=256,
                     norm_before_residual=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
 
 

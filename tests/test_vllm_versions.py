@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from eaglenest.draft import vllm_format as draft_format
-from eaglenest.draft.vllm_format import launch, serve_line
-from eaglenest.serving.vllm import (NO_CHUNKED_PREFILL, check_aux_layers, chunked_prefill_allowed,
-                                    extraction_server_args, supported_version_note, version_at_least, vllm_version)
+from eaglenest.draft.vllm_format import how_to_serve, serve_line
+from eaglenest.serving.vllm import NO_CHUNKED_PREFILL, chunked_prefill_allowed, extraction_server_args
 from eaglenest.states import extract as extract_vllm
 from eaglenest.states.target import target_info
+from eaglenest.vllm_facts import check_aux_layers, supported_version_note, version_at_least, vllm_version
 
 
 def test_version_at_least_reads_release_strings():
@@ -63,7 +63,7 @@ def test_a_local_verifier_is_served_as_the_model_only_where_vllm_takes_it(tmp_pa
     verifier = tmp_path / "target"
     verifier.mkdir()
     d = _speculators_dir(tmp_path, verifier)
-    model, spec, how = launch("speculators", d, 3, "TARGET", version)
+    model, spec, how = how_to_serve("speculators", d, 3, "TARGET", version)
     if as_model:
         assert (model, spec) == (str(d.resolve()), None) and how.startswith("vllm serve <draft dir>")
     else:
@@ -72,10 +72,10 @@ def test_a_local_verifier_is_served_as_the_model_only_where_vllm_takes_it(tmp_pa
 
 
 def test_a_hub_verifier_is_served_as_the_model_on_every_release(tmp_path, monkeypatch):
-    monkeypatch.setattr(draft_format, "verifier_is_local", lambda name: True)  # as if in the hub cache
+    monkeypatch.setattr(draft_format, "verifier_resolves_here", lambda name: True)  # as if in the hub cache
     d = _speculators_dir(tmp_path, "org/target")
     for version in ("0.32.0", "0.33.0", "0.34.0", None):
-        assert launch("speculators", d, 3, "TARGET", version)[:2] == (str(d.resolve()), None), version
+        assert how_to_serve("speculators", d, 3, "TARGET", version)[:2] == (str(d.resolve()), None), version
 
 
 def test_the_model_card_serves_a_local_verifier_through_the_target(tmp_path):

@@ -152,15 +152,16 @@ def _steps(op: str, x: int, y: int) -> list[str]:
 def make_sample(rng: random.Random) -> dict:
     """One arithmetic question with its reasoning (the operands restated, then per-digit steps)
     and its final answer."""
-    # Three-digit operands: with a fixed width each digit sits at a fixed offset, which the model
-    # learns within the step budget (measured at 600 steps: 2-4 digit operands 16% exact, 60% here).
+    # Three-digit operands: with a fixed width each digit sits at a fixed offset, which the model learns
+    # within the step budget where mixed widths are not (benchmarks/RESULTS.md, "Figures moved out of
+    # code comments").
     op = rng.choice("+-*")
     x, y = rng.randint(100, 999), (rng.randint(2, 9) if op == "*" else rng.randint(100, 999))
     if op == "-" and x < y:
         x, y = y, x
     result = {"+": x + y, "-": x - y, "*": x * y}[op]
-    # The reasoning restates the operands before the steps that read them: learned faster (85% vs
-    # 68% exact after 1000 steps) and it brings completions to about 47 tokens.
+    # The reasoning restates the operands before the steps that read them: it is learned faster
+    # (benchmarks/RESULTS.md, "Figures moved out of code comments").
     return {
         "question": rng.choice(PHRASINGS[op]).format(x=x, y=y),
         "reasoning": "\n".join([f"{x}{op}{y}", *_steps(op, x, y)]),
@@ -237,8 +238,9 @@ def answer_quality(texts: Sequence[Sequence[int]]) -> dict:
 
 # --- model --------------------------------------------------------------------------------------
 
-# The shipped depth: 28 layers x 128 cost about 3x the old 4-layer toy per token in vLLM on a
-# 2-core CPU, and their bf16 weights stay under 10 MB. The shallow model trained first has 4.
+# The shipped depth: a target whose tokens cost vLLM real work beside the one-layer draft, with weights
+# small enough to ship in the repository (benchmarks/RESULTS.md, "Figures moved out of code comments").
+# The shallow model trained first has 4.
 LAYERS, BASE_LAYERS = 28, 4
 
 

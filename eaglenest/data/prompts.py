@@ -22,14 +22,13 @@ import gzip
 import hashlib
 import heapq
 import json
-import os
 import sys
 from collections import Counter
 from pathlib import Path
 
 from ..config import defaults
 from ..errors import PromptsError, RowError, TracesError
-from ..util import progress_bar, say, write_atomic
+from ..util import is_local_path, progress_bar, say, write_atomic
 
 # Where dataset.generate writes the target's own questions (eaglenest.data.questions); prepare_prompts reads them.
 QUESTIONS_FILE = "data/questions.jsonl"
@@ -192,9 +191,10 @@ def _kind(name: str) -> str | None:
     return next((kind for ext, kind in EXTENSIONS.items() if lower.endswith(ext)), None)
 
 
-def looks_local(path: str) -> bool:
-    """A path (./, ../, /, ~, or a dataset file extension) rather than a Hugging Face hub name."""
-    return path.startswith(("./", "../", "/", "~", ".\\")) or path in (".", "..") or _kind(path) is not None
+def is_local_dataset(path: str, base=None) -> bool:
+    """Local files rather than a Hugging Face hub dataset: a local path (``util.is_local_path``, relative
+    to ``base``) or a name with a dataset file's extension."""
+    return is_local_path(path, base) or _kind(path) is not None
 
 
 def _local_files(path: str) -> tuple[str, list[str]]:
@@ -229,7 +229,7 @@ def _load(path: str, split: str, cache_dir: str | None, subset: str | None = Non
     """(rows, n_rows, columns) where rows yields dicts, so that a bad row costs a count, not the run."""
     import datasets  # slow to import; only this stage needs it
 
-    if _is_local(path):
+    if is_local_dataset(path):
         kind, files = _local_files(path)
         try:
             # glob.escape: data_files are patterns, and a '[' in a path makes the file vanish.
@@ -429,7 +429,7 @@ def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train"
 
     stats = {
         "path": path,
-        "split": split if not _is_local(path) else None,
+        "split": split if not is_local_dataset(path) else None,
         "format": fmt,
         "rows_read": n_rows,
         "kept": kept,
@@ -469,10 +469,6 @@ def _longest(ordered) -> dict:
 
 def _bad_line():
     raise RowError("malformed", "line is not valid JSON")
-
-
-def _is_local(path: str) -> bool:
-    return os.path.exists(os.path.expanduser(path)) or looks_local(path)
 
 
 def summary(stats: dict) -> str:

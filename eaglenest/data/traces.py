@@ -31,8 +31,8 @@ from ..errors import ServerError, TracesError
 from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT, RETRY_STATUSES, RetryPolicy,
                               auth_hint, describe_client_error, open_session, run_workers)
 from ..serving.probe import describe_os_error, probe
-from ..serving.vllm import reasoning_of
 from ..util import progress_bar, say, write_atomic
+from ..vllm_facts import reasoning_of
 from .prompts import read_prompt_shard
 from .trace_file import PartialFile, json_line
 from .trace_stats import TraceStats, stem, summary, write_stats_table

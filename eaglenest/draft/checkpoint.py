@@ -39,7 +39,7 @@ def load_checkpoint(path):
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return tensors, DraftConfig(**json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
+    return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
 
 
 

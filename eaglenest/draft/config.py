@@ -1,7 +1,13 @@
 """The draft's shape: one config class that export writes to ``config.json`` (draft.vllm_format) and
-validation reads back. It sits low, so export and the report read a checkpoint without the trainer."""
+validation reads back. It sits low, so export and the report read a checkpoint without the trainer.
+
+``target_vocab_size`` is stored under ``vocab_size`` (``STORED_AS``), the key vLLM's config.json gives
+the target's vocabulary, in checkpoints too."""
 
 from dataclasses import asdict, dataclass, field
+
+# Fields whose stored key (checkpoint, vLLM's config.json) is not their Python name.
+STORED_AS = {"target_vocab_size": "vocab_size"}
 
 
 @dataclass
@@ -11,8 +17,8 @@ class DraftConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int  # the target's: rows of the shared embedding, length of t2d
-    draft_vocab_size: int
+    target_vocab_size: int  # the target's vocabulary: rows of the shared embedding, length of t2d
+    draft_vocab_size: int  # the draft's (config draft.vocab_size): rows of lm_head, length of d2t
     target_hidden_size: int
     num_aux_layers: int = 3
     rms_norm_eps: float = 1e-6
@@ -39,7 +45,7 @@ class DraftConfig:
             "num_attention_heads": info["num_attention_heads"],
             "num_key_value_heads": info["num_key_value_heads"],
             "head_dim": info["head_dim"],
-            "vocab_size": info["vocab_size"],
+            "target_vocab_size": info["vocab_size"],
             "draft_vocab_size": draft_vocab_size,
             "target_hidden_size": info["hidden_size"],
             "num_aux_layers": len(info["aux_layers"]),
@@ -50,5 +56,12 @@ class DraftConfig:
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**cfg)
 
-    def to_dict(self):
-        return asdict(self)
+    def to_dict(self) -> dict:
+        """The fields under their stored names (a checkpoint's ``draft_config``)."""
+        return {STORED_AS.get(name, name): value for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, stored: dict):
+        """The config ``to_dict`` wrote."""
+        names = {key: name for name, key in STORED_AS.items()}
+        return cls(**{names.get(key, key): value for key, value in stored.items()})

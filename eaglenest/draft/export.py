@@ -3,24 +3,19 @@
 Each directory holds ``config.json`` + ``model.safetensors`` + a ``README.md`` model card with
 Hugging Face front matter. The config keys, tensor names and shapes, and the ``d2t`` convention of
 both formats are vLLM's facts, kept in ``vllm_format`` (validation reads the exports back through the
-same module). ``write_validation`` adds the validation report's acceptance figures to a card once
-the report exists (the report is made after the export: ``validate_draft`` calls it).
+same module). Validation adds its figures to the card later (``validation.card``).
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from ..util import save_safetensors, say
+from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .model import Eagle3Draft
 from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
-                          speculators_config_json, verifier_is_path, verifier_of, vllm_tensors)
-
-# Where validate_draft puts the acceptance figures in a card (everything after it is replaced).
-VALIDATION_MARK = "<!-- eaglenest: validation -->"
+                          speculators_config_json, verifier_of, vllm_tensors)
 
 
 def front_matter(config, card) -> str:
@@ -32,7 +27,7 @@ def front_matter(config, card) -> str:
         lines.append(f"base_model: {json.dumps(str(target))}")
     lines += ["library_name: vllm", "tags:"] + [f"- {t}" for t in tags]
     dataset = card.get("dataset")
-    if dataset and not os.path.exists(dataset):  # the hub wants dataset ids, not local paths
+    if dataset and not is_local_path(dataset):  # the hub wants dataset ids, not local paths
         lines += ["datasets:", f"- {json.dumps(str(dataset))}"]
     license_ = card.get("license")
     lines.append(f"license: {license_}" if license_ else
@@ -79,44 +74,11 @@ def model_card(config, info, card, train=None, k=3) -> str:
     if fmt == "speculators":
         lines += [f"vLLM starts the verifier named in config.json (`{verifier_of(config)}`) with this draft "
                   "attached; publish it with the verifier's hub name there.", ""]
-        if verifier_is_path(verifier_of(config)):
+        if is_local_path(verifier_of(config)):
             lines += [f"`{verifier_of(config)}` is a local path: vLLM 0.33 and later refuse it in `vllm serve "
                       "THIS_DIR` (\"Speculators verifier must name a remote model repository\"), hence the "
                       "command above; export again with `export.verifier` set to the hub name before publishing.", ""]
     return "\n".join(lines)
-
-
-def write_validation(draft_dir, report: dict, fmt: str, matrix_lines=()) -> None:
-    """Put the validation report's acceptance figures into a draft's card (replacing earlier ones), followed by
-    ``matrix_lines``: the matrix as Markdown, which validation renders (validation.matrix.matrix_markdown)."""
-    path = Path(draft_dir) / "README.md"
-    text = path.read_text().split(VALIDATION_MARK)[0].rstrip() + "\n"
-    run = (report.get("formats") or {}).get(fmt) or report.get("eagle3") or {}
-    off, base = report.get("offline") or {}, report.get("baseline") or {}
-    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-    one = ratio((run.get("one_request") or {}).get("output_tokens_per_s"),
-                (base.get("one_request") or {}).get("output_tokens_per_s"))
-    speed = ratio(run.get("output_tokens_per_s"), base.get("output_tokens_per_s"))
-    concurrency = (report.get("settings") or {}).get("concurrency")
-    f3 = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    fx = lambda v: "–" if v is None else f"×{v:.2f}"  # noqa: E731
-    lines = [
-        VALIDATION_MARK, "", "## Validation (eaglenest)", "",
-        f"{report.get('prompts')} held-out prompts, greedy, k = {report.get('num_speculative_tokens')}, "
-        f"max_tokens {report.get('max_tokens')}, {report.get('created', '')}.", "",
-        "| | |", "|---|---|",
-        f"| mean acceptance length in vLLM | {f3(run.get('acceptance_length'))} |",
-        f"| per-position acceptance | {', '.join(f3(p) for p in run.get('per_position') or []) or '–'} |",
-        f"| offline prediction | {f3(off.get('acceptance_length'))} |",
-        f"| n-gram speculation in vLLM | {f3((report.get('ngram') or {}).get('acceptance_length'))} |",
-        f"| output tokens/s over the target alone, one request at a time | {fx(one)} |",
-        f"| output tokens/s over the target alone, {concurrency or 'several'} requests in flight | {fx(speed)} |",
-        "",
-    ]
-    lines += list(matrix_lines)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text + "\n" + "\n".join(lines))
-    os.replace(tmp, path)
 
 
 def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype, *, fmt="vllm", verifier=None, k=3):
@@ -132,7 +94,7 @@ def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(config, info, card, train, k))
     say(f"export: {'trained' if train else 'untrained'} draft, {fmt} format -> {out_dir}")
-    if fmt == "speculators" and verifier_is_path(verifier_of(config)):
+    if fmt == "speculators" and is_local_path(verifier_of(config)):
         say(f"export: the speculators draft names the local verifier {verifier_of(config)!r}; vLLM 0.33 and later "
             "refuse a local path in `vllm serve <draft dir>`: set export.verifier to the target's hub name "
             "(e.g. meta-llama/Llama-3.1-8B-Instruct) before publishing")

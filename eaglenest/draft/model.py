@@ -96,7 +96,7 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)  # matches d2t = 0
+        self.register_buffer("t2d", torch.arange(cfg.target_vocab_size) < cfg.draft_vocab_size)  # matches d2t = 0
         # The target's embedding (set_target): frozen, shared by vLLM at serving time, so neither
         # trained nor saved.
         self.register_buffer("embed_weight", torch.empty(0, cfg.hidden_size), persistent=False)

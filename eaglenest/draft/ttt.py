@@ -205,8 +205,8 @@ def ttt_chains(rows, T, ttt_length, n_flat, multiple=16):
 
 class GatherRows(torch.autograd.Function):
     """``x.index_select(0, index)`` for an ``index`` without repeats: its backward copies the rows
-    back (index_copy) instead of index_select's atomic index_add (about 1 ms a step at Kimi-K2.5
-    sizes, TTT 7, on an H200)."""
+    back (index_copy) instead of index_select's atomic index_add, which is slower at real sizes
+    (benchmarks/RESULTS.md, "Figures moved out of code comments")."""
 
     @staticmethod
     def forward(ctx, x, index):

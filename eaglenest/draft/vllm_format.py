@@ -1,8 +1,8 @@
 """The draft checkpoint in vLLM's EAGLE-3 format and in the speculators format: what export writes
 and validation reads back, from the same code, so the two cannot drift (vLLM 0.32 to 0.34).
 
-The layer-id convention, vLLM's releases and its command lines are serving facts
-(``eaglenest.serving.vllm``); this module holds what a draft directory carries.
+The layer-id convention, vLLM's releases and what it reads and writes as a server are
+``eaglenest.vllm_facts``; this module holds what a draft directory carries.
 
 What ``config.json`` carries and why:
 
@@ -47,8 +47,9 @@ from pathlib import Path
 
 import torch
 
-from ..serving.vllm import (LOCAL_VERIFIER_REFUSED_FROM, NUM_AUX_LAYERS, default_aux_layers, speculative_config,
-                             version_at_least)
+from ..util import is_local_path
+from ..vllm_facts import (LOCAL_VERIFIER_REFUSED_FROM, NUM_AUX_LAYERS, default_aux_layers, speculative_config,
+                          version_at_least)
 from .config import DraftConfig
 
 # ----------------------------------------------------------------------------- vocabulary maps
@@ -95,7 +96,7 @@ def tensor_shapes(cfg) -> dict:
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
+        "t2d": (cfg.target_vocab_size,),
     }
 
 
@@ -115,7 +116,7 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
         "rope_parameters": dict(cfg.rope_parameters),
         "rope_theta": cfg.rope_parameters.get("rope_theta"),  # for readers older than transformers 5
         "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
@@ -148,7 +149,7 @@ def draft_config_from_json(config: dict):
         num_attention_heads=config["num_attention_heads"],
         num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
         head_dim=config.get("head_dim") or hidden // config["num_attention_heads"],
-        vocab_size=config["vocab_size"],
+        target_vocab_size=config["vocab_size"],
         draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         target_hidden_size=config.get("target_hidden_size", hidden),
         num_aux_layers=len(ids) or NUM_AUX_LAYERS,
@@ -177,7 +178,7 @@ def vllm_tensors(state_dict, cfg, dtype="bfloat16") -> dict:
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"{name}: shape {tuple(t.shape)}, vLLM expects {shapes[name]}")
         out[name] = t.detach().to("cpu", getattr(torch, dtype) if t.is_floating_point() else t.dtype).contiguous()
-    if cfg.draft_vocab_size == cfg.vocab_size:
+    if cfg.draft_vocab_size == cfg.target_vocab_size:
         if out["d2t"].any():
             raise ValueError("a draft vocabulary as large as the target's must be the identity (d2t all zero)")
         del out["d2t"]  # vLLM has no draft_id_to_target_id then (llama_eagle3.py) and would refuse it
@@ -189,7 +190,7 @@ def state_dict_from_vllm(tensors: dict, cfg) -> dict:
     maps it leaves implicit (no ``d2t`` when the vocabularies match; ``t2d`` all true then)."""
     state = _rename_prefix(tensors, LAYER_PREFIX["speculators"], LAYER_PREFIX["vllm"])  # either format's names
     state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-    state.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+    state.setdefault("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
     return state
 
 
@@ -277,8 +278,7 @@ def speculative_tokens_of(config: dict) -> int | None:
     return methods[0].get("speculative_tokens")
 
 
-
-def verifier_is_local(name) -> bool:
+def verifier_resolves_here(name) -> bool:
     """Whether vLLM can start the verifier ``name`` here without the hub: a directory (relative to
     this process's working directory, as the server's) or a hub name already in the local cache."""
     if Path(name).is_dir():
@@ -291,14 +291,7 @@ def verifier_is_local(name) -> bool:
         return False
 
 
-def verifier_is_path(name) -> bool:
-    """Whether a verifier name is a local path (what vLLM 0.33 and later refuse in ``vllm serve <draft
-    dir>``) rather than a hub name: an existing path here, or one spelled as a path."""
-    name = str(name)
-    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
-
-
-def launch(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict | None, str]:
+def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict | None, str]:
     """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens
     on vLLM ``version`` (the release that will serve it; None: unknown).
 
@@ -313,9 +306,9 @@ def launch(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str, dict
         return (*fallback, "--speculative-config")
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     verifier = verifier_of(config)
-    if not (verifier and verifier_is_local(verifier)):
+    if not (verifier and verifier_resolves_here(verifier)):
         return (*fallback, f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
-    if verifier_is_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
+    if is_local_path(verifier) and version_at_least(version, LOCAL_VERIFIER_REFUSED_FROM) is not False:
         release = f"vLLM {version}" if version else "vLLM from 0.33 (the release here is unknown)"
         return (*fallback, f"--speculative-config ({release} refuses the local verifier {verifier!r} in "
                            "`vllm serve <draft dir>`: publish with export.verifier set to its hub name)")
@@ -327,7 +320,7 @@ def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) ->
     """How a user serves a draft of format ``fmt``: the speculative config for vLLM's format; the draft
     directory alone for the speculators format (vLLM starts the verifier its config.json names), but
     where that verifier is a local path, which vLLM 0.33 and later refuse there."""
-    if fmt == "speculators" and not (verifier and verifier_is_path(verifier)):
+    if fmt == "speculators" and not (verifier and is_local_path(verifier)):
         return f"vllm serve {draft_dir}"
     spec = json.dumps({**speculative_config("eagle3", k, "."), "model": str(draft_dir)}, separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{spec}'"

@@ -1,7 +1,7 @@
 """`server.mode: local`: vLLM started by the workflow on this machine, in its own process group,
 with a pidfile, a port record and a log under logs/server/, refused while the GPUs it would use are
 busy or the port the user set is taken. Every mode launches vLLM with `launch_env` and
-`server_command` (the port launcher, serving.port, around `vllm_command`): the port is chosen where
+`server_command` (the port launcher, serving.port, around `guarded_server_command`): the port is chosen where
 the server runs and read back from its record.
 
 A watchdog (eaglenest.serving.backend, `Backend.watch`) stops the server when the workflow process
@@ -25,11 +25,12 @@ from pathlib import Path
 from ..errors import ServerError
 from ..gpus import lock_devices, nvidia_smi, physical_gpus, visible_devices
 from ..util import file_in, say, write_atomic
-from . import vllm
+from ..vllm_facts import kv_cache_facts, last_start, memory_refusal
 from .port import PORT_FILE, launcher_command, port_taken, read_port_record, taken_message
 from .backend import Backend, alive, log_tail, signal_group, watchdog_command
 from .probe import is_serving
 from .settings import ServerConfig, check_model_path
+from .vllm import SINGLE_PROCESS_ENV, api_server_command, single_process_worker
 
 GPU_BUSY_MIB = 1024
 STOP_GRACE_S = 30.0
@@ -80,8 +81,8 @@ def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str,
     """The environment every vLLM server starts with, in every mode: this process's, without the
     job's thread-count variables (THREAD_ENV) and any `drop_prefixes`, then `server.env`."""
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV and not k.startswith(drop_prefixes)}
-    if vllm.single_process_worker(cfg):
-        env.update(vllm.SINGLE_PROCESS_ENV)
+    if single_process_worker(cfg):
+        env.update(SINGLE_PROCESS_ENV)
     env.update({k: str(v) for k, v in cfg.env.items()})
     env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:
@@ -96,19 +97,20 @@ def launch_env(cfg: ServerConfig, api_key: str | None, drop_prefixes: tuple[str,
 KEY_GUARD = "eaglenest.serving.guard.RequireApiKey"
 
 
-def vllm_command(cfg: ServerConfig) -> list[str]:
-    """The command line that starts vLLM's OpenAI server (built in serving.vllm), plus the key guard
+def guarded_server_command(cfg: ServerConfig) -> list[str]:
+    """The command line that starts vLLM's OpenAI server (serving.vllm.api_server_command), plus the key guard
     where the server has a key. No secret in it: the key goes by environment (launch_env)."""
     if not cfg.model:
         raise ServerError("server.model is empty: give a model path or hub name for vLLM to serve")
     has_key = bool(cfg.api_key_env) or cfg.needs_key
-    return vllm.vllm_command(cfg) + (["--middleware", KEY_GUARD] if has_key else [])
+    return api_server_command(cfg) + (["--middleware", KEY_GUARD] if has_key else [])
 
 
 def server_command(cfg: ServerConfig, port_record: str | Path) -> list[str]:
-    """`vllm_command` under the port launcher (serving.port): it runs where the server runs, takes
+    """`guarded_server_command` under the port launcher (serving.port): it runs where the server runs, takes
     `server.port` or a free port there, and writes which to `port_record`."""
-    return launcher_command(sys.executable, cfg.host, cfg.port, Path(port_record).resolve(), vllm_command(cfg))
+    return launcher_command(sys.executable, cfg.host, cfg.port, Path(port_record).resolve(),
+                            guarded_server_command(cfg))
 
 
 @dataclass
@@ -151,7 +153,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
     api_key = cfg.api_key(create=True)
     record = read_pidfile(paths)
     if record and alive(record["pid"]):
-        same = record.get("port") == cfg.port and record.get("command") == vllm_command(cfg)
+        same = record.get("port") == cfg.port and record.get("command") == guarded_server_command(cfg)
         url = same and _quiet_url(cfg, paths, record["pid"])
         if url and is_serving(url, cfg.model_id, api_key):
             log(f"reusing the server this workflow started before (pid {record['pid']}, {url})")
@@ -187,7 +189,7 @@ def start_local(cfg: ServerConfig, paths: LocalPaths, workflow_pid: int | None =
         for fd in locks:
             os.close(fd)
     record = {"pid": proc.pid, "pgid": proc.pid, "port": cfg.port, "host": cfg.host,
-              "model": cfg.model_id, "command": vllm_command(cfg), "launch": cmd, "log": str(paths.log),
+              "model": cfg.model_id, "command": guarded_server_command(cfg), "launch": cmd, "log": str(paths.log),
               "started_at": time.time(), "keep": cfg.keep_server,
               "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
     if workflow_pid and not cfg.keep_server:
@@ -257,7 +259,7 @@ class LocalServer(Backend):
         if not alive(self.record["pid"]):
             self.paths.pidfile.unlink(missing_ok=True)
             served_url(self.cfg, self.paths, self.record["pid"])  # the launcher's own error, if it left one
-            refusal = vllm.memory_refusal(vllm.last_start(self.paths.log))
+            refusal = memory_refusal(last_start(self.paths.log))
             if refusal:
                 raise ServerError(f"{refusal} (vLLM's log: {self.paths.log})")
             raise ServerError(f"vLLM (pid {self.record['pid']}) exited before it was ready. "
@@ -275,7 +277,7 @@ class LocalServer(Backend):
     def ready_facts(self) -> dict:
         if not self.record:
             return {}
-        return {"pid": self.record["pid"], **vllm.kv_cache_facts(self.paths.log)}
+        return {"pid": self.record["pid"], **kv_cache_facts(self.paths.log)}
 
     def running(self, ident: str) -> bool:
         return alive(int(ident))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import schema_field
 from ..errors import ConfigError, ServerError
+from ..util import is_local_path
 
 # Addresses only this machine reaches: a server bound to anything else requires an API key.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -144,9 +145,10 @@ def key_hint(api_key: str | None) -> str:
 def looks_like_local_path(model: str) -> bool:
     """Whether `server.model` names a local path rather than a hub id (`org/name`).
 
-    A path: it starts with / ./ ../ or ~, has more than one slash (a hub id has one), or its first
-    component is a directory here (`toy/target`). `org/name` with no `org` directory is a hub id."""
-    if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
+    A path: what `util.is_local_path` calls one (spelled as one, or existing here), a name with more
+    than one slash (a hub id has one), or one whose first component is a directory here (`toy/target`).
+    `org/name` with no `org` directory is a hub id."""
+    if is_local_path(model):
         return True
     parts = model.split("/")
     return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())

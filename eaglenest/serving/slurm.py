@@ -37,7 +37,7 @@ from ..config import schema_field
 from ..errors import ConfigError, ServerError
 from ..util import file_in, say, write_atomic
 from .backend import Backend, log_tail, signal_group, watchdog_command
-from .local import launch_env, server_command, vllm_command
+from .local import guarded_server_command, launch_env, server_command
 from .port import PORT_FILE, read_port_record
 from .settings import ServerConfig, check_model_path
 
@@ -310,7 +310,7 @@ def submit_server(cfg: ServerConfig, settings: SlurmSettings | dict | None, path
             raise ServerError(f"sbatch answered {out.stdout.strip()!r}, not a job id")
         record = {"job_id": job_id, "name": name, "comment": comment, "port": cfg.port, "model": cfg.model_id,
                   "log": str(paths.log_pattern.resolve()).replace("%j", job_id), "submitted_at": time.time(),
-                  "workdir": str(workdir), "sbatch": args, "command": vllm_command(server_config(cfg)),
+                  "workdir": str(workdir), "sbatch": args, "command": guarded_server_command(server_config(cfg)),
                   "reused": False, "keep": cfg.keep_server,
                   "sentinel": str(Path(sentinel).resolve()) if sentinel else None}
         log(f"submitted vLLM as SLURM job {job_id} ({name}); log: {record['log']}")

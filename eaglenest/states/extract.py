@@ -52,8 +52,9 @@ from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, RETRY_STATUSES
                               describe_client_error, open_session, run_workers)
 from ..serving.connector import read_states, remove_states
 from ..serving.settings import ServerConfig
-from ..serving.vllm import extraction_layer_ids, extraction_server_args, vllm_version
+from ..serving.vllm import extraction_layer_ids, extraction_server_args
 from ..util import open_locked, progress_bar, say
+from ..vllm_facts import vllm_version
 from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
 from .target import load_target_head, target_config
 

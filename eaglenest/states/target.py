@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..gguf import is_gguf
-from ..serving.vllm import aux_layers as choose_aux_layers
+from ..vllm_facts import choose_aux_layers
 
 HEAD_FORMAT = "eaglenest.target_head/1"
 
@@ -307,8 +307,9 @@ def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]
 
 @functools.lru_cache(maxsize=4)
 def _gguf_config(path: str) -> dict:
-    """A GGUF file's config, read once a process (about 5 s): the plan, the checks and the extraction-memory
-    check each ask for it before any job."""
+    """A GGUF file's config, read once a process (reading it takes seconds: benchmarks/RESULTS.md,
+    "Figures moved out of code comments"): the plan, the checks and the extraction-memory check each
+    ask for it before any job."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name).to_dict()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..draft.checkpoint import load_checkpoint
 from ..draft.export import export_draft
-from ..draft.vllm_format import launch
+from ..draft.vllm_format import how_to_serve
 from ..errors import ServerError, ValidationError
 from ..serving.settings import ServerConfig
 from ..util import say, write_atomic
@@ -39,7 +39,7 @@ def measure_point(checkpoint_path, heldout_path, json_path, *, server: dict, gen
     srv = ServerConfig.from_dict(server)
     if s.get("port"):
         srv = dataclasses.replace(srv, port=s["port"])
-    model, spec, _ = launch("vllm", draft_dir.resolve(), k, srv.model)
+    model, spec, _ = how_to_serve("vllm", draft_dir.resolve(), k, srv.model)
     settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])
     log(f"curve_point: the draft of step {trained['step']} of {trained['of_steps']} in vLLM ({len(prompts)} prompts, k={k})")
     try:

@@ -15,8 +15,8 @@ import torch
 
 from ..draft.vllm_format import draft_config_from_json, served_aux_layers, state_dict_from_vllm
 from ..errors import ValidationError
-from ..serving.vllm import acceptance
 from ..util import progress_bar
+from ..vllm_facts import acceptance
 
 
 def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device="cpu"):

@@ -229,8 +229,8 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
         diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "rms_norm_eps"):
-        if config.get(key) != getattr(dcfg, key):
-            diffs.append(f"{key}: config.json {config.get(key)}, trained with {getattr(dcfg, key)}")
+        if config.get(key) != dcfg.to_dict()[key]:
+            diffs.append(f"{key}: config.json {config.get(key)}, trained with {dcfg.to_dict()[key]}")
     tensors = state_dict_from_vllm(tensors, dcfg)  # vLLM format's names; absent d2t means the identity
     d2t = tensors["d2t"]
     if d2t.shape != saved["d2t"].shape or not torch.equal(d2t, saved["d2t"]):

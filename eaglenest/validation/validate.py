@@ -4,7 +4,7 @@
 
 - vLLM runs over the held-out prompts, one server at a time (each stopped before the next
   starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
-  each exported format (the speculators one started as its users start it, ``vllm_format.launch``),
+  each exported format (the speculators one started as its users start it, ``vllm_format.how_to_serve``),
   the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run, on one server start: output tokens/s and per-token latency
   with one request at a time (``one_request``), then output tokens/s and mean latency with
@@ -14,7 +14,7 @@
   (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
 - the training curves, the cross-checks and the findings (``report``), whether the formats agree;
-- then the acceptance figures go into each draft's model card (``export.write_validation``).
+- then the acceptance figures go into each draft's model card (``card.write_validation``).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
-from ..draft.export import write_validation
-from ..draft.vllm_format import flat_config, launch
+from ..draft.vllm_format import flat_config, how_to_serve
 from ..errors import ServerError, TracesError, ValidationError
 from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
 from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
-from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
-                            speculative_config, supported_version_note, vllm_version)
 from ..states.target import load_target
+from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
+                          speculative_config, supported_version_note, vllm_version)
+from .card import write_validation
 from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
@@ -367,7 +367,7 @@ def _run_plan(drafts: dict, srv: ServerConfig, s: dict, k: int, log) -> tuple[di
         log(f"validate_draft: {supported_version_note(version)}")
     for i, (fmt, path) in enumerate(drafts.items()):
         formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
-        plan[name] = launch(fmt, path, k, srv.model, version)
+        plan[name] = how_to_serve(fmt, path, k, srv.model, version)
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
     return plan, formats
 
