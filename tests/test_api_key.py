@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TOY_PROMPTS, run_snakemake, scontrol_job, slurm_command, write_config
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.local import read_pidfile, LocalPaths
 from eaglenest.serving.probe import probe
 from eaglenest.serving.settings import RUN_KEY_FILE, ServerConfig
 from eaglenest.serving.slurm import read_record, SlurmPaths
+from tests.support.config import TOY_PROMPTS, write_config
+from tests.support.slurm import scontrol_job, slurm_command
+from tests.support.workflow import run_snakemake
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

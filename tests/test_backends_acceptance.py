@@ -12,7 +12,9 @@ import json
 
 import pytest
 
-from conftest import K, TRAIN, read_lines
+from tests.support.config import TRAIN
+from tests.support.measure import K
+from tests.support.workflow import read_lines
 
 pytestmark = pytest.mark.vllm  # the session vLLM-backend run starts vLLM
 

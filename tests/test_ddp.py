@@ -10,7 +10,7 @@ import torch
 
 from eaglenest.draft import train
 from eaglenest.draft.checkpoint import load_checkpoint
-from test_train import CONFIG, run
+from tests.test_train import CONFIG, run
 
 
 def torchrun(data, out, config, nproc):

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import eager, free_port, measure_draft, server_gone, servers_gone
+from tests.support.config import eager
+from tests.support.measure import measure_draft
+from tests.support.servers import free_port, server_gone, servers_gone
 
 # The first test to use the session-wide default run pays for it (about 15-30 min on 2 cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]

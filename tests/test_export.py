@@ -6,8 +6,8 @@ import torch
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.export import export_draft, export_untrained, load_exported
 from eaglenest.draft.vllm_format import ARCHITECTURE, tensor_shapes, vllm_tensors
-from test_model import make_model
-from test_train import run
+from tests.test_model import make_model
+from tests.test_train import run
 
 REQUIRED_KEYS = {
     "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",

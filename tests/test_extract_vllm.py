@@ -17,13 +17,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port
 from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.lifecycle import wait_ready
 from eaglenest.serving.local import LocalPaths, read_pidfile, start_local, stop_local
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, hidden_server_config
 from eaglenest.states.hidden import extract_hidden
 from eaglenest.states.target import save_target_head
+from tests.support.config import BASE_CONFIG, ROOT, TOY_TARGET
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.vllm
 AUX = [1, 2, 3]

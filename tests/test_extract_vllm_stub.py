@@ -16,12 +16,13 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file, save_file
 
-from conftest import TOY_TARGET, free_port
 from eaglenest.errors import DiskSpaceError
 from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.vllm import extraction_server_args, extraction_speculative_config
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, layer_ids
 from eaglenest.states.target import save_target_head
+from tests.support.config import TOY_TARGET
+from tests.support.servers import free_port
 
 
 def stub_greedy(ids):

@@ -15,14 +15,16 @@ import pytest
 import torch
 import yaml
 
-from conftest import TOY_TARGET, K, eager, measure_draft, run_snakemake, write_config
 from eaglenest.draft.export import export_draft, load_exported
 from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
                                          flat_config, how_to_serve, speculators_config_json)
 from eaglenest.util import save_safetensors
 from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
-from test_train import run
+from tests.support.config import TOY_TARGET, eager, write_config
+from tests.support.measure import K, measure_draft
+from tests.support.workflow import run_snakemake
+from tests.test_train import run
 
 DRAFT_VOCAB = 48  # of the toy's 105 tokens
 WITHIN = 0.10  # vLLM's acceptance length against the offline prediction

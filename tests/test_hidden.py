@@ -8,8 +8,8 @@ import torch
 from eaglenest.vllm_facts import default_aux_layers
 from eaglenest.states import hidden
 from eaglenest.states.hidden import DiskSpaceError, HiddenShards, extract_hidden
-from conftest import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target
 from eaglenest.states.target import load_target_head, save_target_head
+from tests.support.tiny_target import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target
 
 def read_records(path):
     return [json.loads(line) for line in open(path)]

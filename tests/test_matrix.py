@@ -110,7 +110,7 @@ def test_findings_name_the_engine_and_the_weak_cells():
 
 
 def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
-    from test_report import _report
+    from tests.test_report import _report
 
     r = _report(matrix=_runs())
     assert {w["kind"] for w in r["warnings"]} >= {"not_lossless", "matrix_ngram", "matrix_drop"}

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from conftest import free_port
 from eaglenest.serving.port import LAUNCHER, launch, launcher_command, read_port_record
+from tests.support.servers import free_port
 
 # Binds the --port it is given (SO_REUSEADDR, as vLLM does), says so, and serves until told to stop
 # (or exits at once with "once"): a bind that fails raises Python's own "[Errno 98] Address already in use".

@@ -2,8 +2,8 @@
 The questions themselves, written by the suite's toy server: tests/test_real_server.py."""
 from transformers import AutoTokenizer
 
-from conftest import TOY_TARGET
 from eaglenest.data.questions import user_turn
+from tests.support.config import TOY_TARGET
 
 
 def test_the_user_prefix_and_stop_token_come_from_the_chat_template(tmp_path):

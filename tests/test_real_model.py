@@ -11,7 +11,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_SERVER_ARGS, eagle3, measure_draft, merge, read_lines, run_snakemake
+from tests.support.config import ROOT, TEST_SERVER_ARGS, merge
+from tests.support.measure import eagle3, measure_draft
+from tests.support.workflow import read_lines, run_snakemake
 
 pytestmark = pytest.mark.vllm
 

@@ -13,12 +13,13 @@ import pytest
 
 from transformers import AutoTokenizer
 
-from conftest import BASE_CONFIG, TOY_TARGET, read_lines, run_snakemake, write_config
 from eaglenest.data.questions import write_questions
 from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
 from eaglenest.serving.probe import is_serving
+from tests.support.config import BASE_CONFIG, TOY_TARGET, write_config
+from tests.support.workflow import read_lines, run_snakemake
 
 pytestmark = pytest.mark.vllm
 MAX_MODEL_LEN = BASE_CONFIG["server"]["max_model_len"]

@@ -13,9 +13,11 @@ import time
 
 import pytest
 
-from conftest import prompt_ids, read_lines, server_gone, snakemake_cmd, start_workflow, wait_port, write_config
 from eaglenest.data.traces import generate_shard
 from eaglenest.serving.local import LocalPaths, read_pidfile
+from tests.support.config import write_config
+from tests.support.servers import server_gone, wait_port
+from tests.support.workflow import prompt_ids, read_lines, snakemake_cmd, start_workflow
 
 pytestmark = pytest.mark.vllm
 

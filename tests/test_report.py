@@ -12,7 +12,7 @@ from eaglenest.validation import report
 from eaglenest.validation.plots import bar_chart, line_chart, nice_ticks
 from eaglenest.validation.report import (build_report, export_differences, findings, read_train_metrics, render_html,
                                          train_summary, write_report)
-from test_train import run
+from tests.test_train import run
 
 RUNS = {
     "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
@@ -154,7 +154,7 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     tokenizer's chat template (the shipped toy target's tokenizer)."""
     from transformers import AutoTokenizer
 
-    from conftest import TOY_TARGET
+    from tests.support.config import TOY_TARGET
     from eaglenest.validation.report import cross_checks
     from eaglenest.states.target import chat_prompt_ids
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from eaglenest.errors import EaglenestError
 from eaglenest.errors import ServerError
 from eaglenest.serving.lifecycle import start_server, stop_server, wait_ready
@@ -19,6 +18,7 @@ from eaglenest.serving.local import (LocalPaths, busy_gpus, guarded_server_comma
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import (RUN_KEY_FILE, ServerConfig, check_model_path, forget_run_key,
                                         looks_like_local_path, run_key)
+from tests.support.servers import free_port
 
 TOY = Path(__file__).resolve().parent.parent / "toy" / "target"
 

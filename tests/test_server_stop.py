@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from conftest import (assert_traces_complete, descendants, finished_before, run_snakemake, server_gone,
-                      servers_gone, start_workflow, wait_partial, wait_port, write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
+from tests.support.config import write_config
+from tests.support.processes import descendants
+from tests.support.servers import server_gone, servers_gone, wait_port
+from tests.support.workflow import assert_traces_complete, finished_before, run_snakemake, start_workflow, wait_partial
 
 pytestmark = pytest.mark.vllm
 

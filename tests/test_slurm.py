@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, scontrol_job, slurm_command
 from eaglenest.errors import ServerError
 from eaglenest.serving.backend import watchdog_command
 from eaglenest.serving.lifecycle import wait_ready
@@ -27,6 +26,9 @@ from eaglenest.serving.probe import probe
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name,
                                      read_record, submit_server)
+from tests.support.config import ROOT
+from tests.support.servers import free_port
+from tests.support.slurm import scontrol_job, slurm_command
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 

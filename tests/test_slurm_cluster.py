@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import script_values, slurm_script
+from tests.support.slurm import script_values, slurm_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 

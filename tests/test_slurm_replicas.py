@@ -9,9 +9,12 @@ import time
 import pytest
 import yaml
 
-from conftest import TOY_PROMPTS, read_lines, run_snakemake, server_gone, slurm_command, wait_port, write_config
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
+from tests.support.config import TOY_PROMPTS, write_config
+from tests.support.servers import server_gone, wait_port
+from tests.support.slurm import slurm_command
+from tests.support.workflow import read_lines, run_snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 

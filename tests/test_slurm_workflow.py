@@ -13,10 +13,13 @@ import time
 import pytest
 import yaml
 
-from conftest import (ROOT, TOY_PROMPTS, started_at, run_snakemake, scontrol_job, server_gone, slurm_command,
-                      vllm_pids, wait_port, write_config)
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
+from tests.support.config import ROOT, TOY_PROMPTS, write_config
+from tests.support.processes import started_at, vllm_pids
+from tests.support.servers import server_gone, wait_port
+from tests.support.slurm import scontrol_job, slurm_command
+from tests.support.workflow import run_snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 

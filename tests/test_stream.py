@@ -22,9 +22,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import TRAIN, copy_traces, descendants_running, run_snakemake, snakemake_cmd
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.serving.local import LocalPaths, read_pidfile
+from tests.support.config import TRAIN
+from tests.support.processes import descendants_running
+from tests.support.workflow import copy_traces, run_snakemake, snakemake_cmd
 
 pytestmark = pytest.mark.vllm
 CHECKPOINT = "draft/checkpoint.safetensors"

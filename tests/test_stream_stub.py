@@ -14,14 +14,15 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from conftest import TOY_TARGET, free_port
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.train import train_draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.serving.connector import storage_dir
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm
 from eaglenest.states.target import save_target_head
-from test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
+from tests.support.config import TOY_TARGET
+from tests.support.servers import free_port
+from tests.test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
 
 CONFIG = {"ttt_length": 2, "batch_tokens": 256, "max_steps": 16, "save_every": 4, "lr": 3e-3, "warmup_steps": 2,
           "seed": 1}

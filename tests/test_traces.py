@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from eaglenest.data.traces import TracesError, check_server, fingerprint, generate_shard
-
-sys.path.insert(0, str(Path(__file__).parent))
-from stub_server import MODEL, StubServer  # noqa: E402
+from tests.stub_server import MODEL, StubServer
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -202,7 +202,7 @@ def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from test_hidden import without_target_next
+    from tests.test_hidden import without_target_next
 
     old = without_target_next(data["hidden_paths"][0], tmp_path / "old.safetensors")
     with safe_open(str(old), "pt") as f:

@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import descendants_running, rules_run, run_snakemake, snakemake_cmd
 from eaglenest.draft.checkpoint import load_checkpoint
+from tests.support.processes import descendants_running
+from tests.support.workflow import rules_run, run_snakemake, snakemake_cmd
 
 pytestmark = pytest.mark.vllm  # the session run it copies starts vLLM for the traces and states
 # 1 process x grad_accum 2 = 2 processes x 1: the same global batch, so the same run (test_ddp).

@@ -8,7 +8,7 @@ import pytest
 from eaglenest.vllm_facts import acceptance, spec_counters
 from eaglenest.validation import validate
 from eaglenest.validation.validate import counter_delta
-from test_vllm_format import METRICS_BEFORE, _after
+from tests.test_vllm_format import METRICS_BEFORE, _after
 
 
 def test_counter_differences_give_the_run_alone():
@@ -45,7 +45,7 @@ def test_resolve_settings_fills_defaults():
 
 
 def test_client_counts_tokens_and_repeats_until_min_seconds():
-    from stub_server import MODEL, StubServer
+    from tests.stub_server import MODEL, StubServer
 
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(5)]
     body = validate.request_settings(16)
@@ -75,7 +75,7 @@ def test_one_request_speed_gives_tokens_per_s_and_the_pooled_per_token_latency()
 
 def test_client_retries_then_fails_with_the_url_and_status():
     """Validation's requests go through the traces client: its retry policy, its error messages."""
-    from stub_server import MODEL, StubServer
+    from tests.stub_server import MODEL, StubServer
 
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "hello"}]}]
     with StubServer(fail_times=1, fail_status=503) as stub:  # one 503, then an answer: retried

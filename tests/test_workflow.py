@@ -11,10 +11,12 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import (TOY_TARGET, assert_traces_complete, descendants_running, finished_before, prompt_ids,
-                      read_lines, run_snakemake, servers_gone, start_workflow, wait_partial,
-                      write_config)
 from eaglenest.serving.local import LocalPaths, read_pidfile, stop_local
+from tests.support.config import TOY_TARGET, write_config
+from tests.support.processes import descendants_running
+from tests.support.servers import servers_gone
+from tests.support.workflow import (assert_traces_complete, finished_before, prompt_ids, read_lines, run_snakemake,
+                                    start_workflow, wait_partial)
 
 pytestmark = pytest.mark.vllm
 TRACES = ["traces/shard_0.jsonl", "traces/shard_1.jsonl"]
