@@ -6,12 +6,8 @@ rule prepare_prompts:
         heldout="data/prompts/heldout.jsonl",
         stats="data/prompts/stats.json",
     params:
-        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun.
-        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun; generate makes
-        # data/questions.jsonl, this rule's input (write_questions below reruns on its changes).
-        path=dataset_path(config),
-        dataset={k: v for k, v in config["dataset"].items() if k not in ("cache_dir", "generate")},
-        shards=config["shards"],
+        # dataset.generate makes data/questions.jsonl, this rule's input (write_questions below reruns on its changes).
+        settings=PROMPTS.fingerprint(),
     conda:
         "../envs/eaglenest.yaml"
     log:

@@ -6,9 +6,9 @@ from eaglenest.logs import to_log
 to_log(snakemake.log[0])
 
 from eaglenest.data.prompts import prepare_prompts
+from eaglenest.settings import PromptSettings
 
-ds = snakemake.params.dataset
-prepare_prompts(snakemake.params.path, Path(snakemake.output.heldout).parent, shards=snakemake.params.shards,
-                split=ds["split"], limit=ds["limit"], heldout=ds["heldout"], seed=ds["seed"],
-                keep_system=ds["keep_system"], max_prompt_chars=ds["max_prompt_chars"],
-                cache_dir=snakemake.config["dataset"]["cache_dir"])
+s = PromptSettings.from_config(snakemake.config)
+prepare_prompts(s.path, Path(snakemake.output.heldout).parent, shards=s.shards, split=s.split, limit=s.limit,
+                heldout=s.heldout, seed=s.seed, keep_system=s.keep_system, max_prompt_chars=s.max_prompt_chars,
+                cache_dir=s.cache_dir)

@@ -22,6 +22,7 @@ from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.vllm import extraction_server_args, extraction_speculative_config
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, layer_ids
 from eaglenest.states.target import save_target_head
+from eaglenest.settings import HiddenSettings
 
 
 def stub_greedy(ids):
@@ -96,7 +97,7 @@ class StubExtractionServer:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "target_head.safetensors"
-    return path, save_target_head(str(TOY_TARGET), path, aux_layers=[1, 2, 3])
+    return path, save_target_head(path, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=[1, 2, 3])).to_dict()
 
 
 def _traces(path, n=6):
@@ -107,9 +108,9 @@ def _traces(path, n=6):
 
 
 def _run(tmp_path, head, stub, **kw):
-    return extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors", url=stub.url,
-                               model="toy", head_path=head[0], storage=stub.storage, max_length=64, concurrency=2,
-                               max_retries=0, progress=False, **kw)
+    return extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors",
+                               HiddenSettings.defaults().replace(max_length=64, concurrency=2, max_retries=0),
+                               url=stub.url, model="toy", head_path=head[0], storage=stub.storage, progress=False, **kw)
 
 
 def _refused_then_rerun(tmp_path, head, match, **fault):

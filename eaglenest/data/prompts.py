@@ -29,15 +29,10 @@ from pathlib import Path
 
 from ..config import defaults
 from ..errors import PromptsError, RowError, TracesError
+# Where dataset.generate writes the target's own questions, and the dataset prepare_prompts reads: both
+# live with the stage's settings (re-exported here for the rules, the plan and data.questions).
+from ..settings import QUESTIONS_FILE, dataset_path  # noqa: F401
 from ..util import progress_bar, say, write_atomic
-
-# Where dataset.generate writes the target's own questions (eaglenest.data.questions); prepare_prompts reads them.
-QUESTIONS_FILE = "data/questions.jsonl"
-
-
-def dataset_path(config: dict) -> str:
-    """The dataset prepare_prompts reads: the target's own questions when dataset.generate asks for them."""
-    return QUESTIONS_FILE if config["dataset"]["generate"]["questions"] else config["dataset"]["path"]
 
 
 # Drop reasons, in the order the summary lists them.

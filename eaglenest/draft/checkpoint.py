@@ -5,16 +5,14 @@ importing the trainer."""
 
 import json
 
-from ..config import defaults
+from ..settings import TrainSettings
 from ..util import save_safetensors
 from .config import DraftConfig
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
-# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
-# documents each one and holds its default (the only place it is written).
-DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
-            "norm_before_residual": defaults("draft")["norm_before_residual"]}
+# The training config's keys and their defaults (the schema's): settings.TrainSettings.config().
+DEFAULTS = TrainSettings.defaults().config()
 
 
 def resolve_config(config):

@@ -53,6 +53,7 @@ from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, RETRY_STATUSES
 from ..serving.connector import read_states, remove_states
 from ..serving.settings import ServerConfig
 from ..serving.vllm import extraction_layer_ids, extraction_server_args, vllm_version
+from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
 from .target import load_target_head, target_config
@@ -153,23 +154,25 @@ def preflight_logits_memory(server: dict, hidden: dict) -> str:
     return f"extraction memory not checked: unknown {' and '.join(unknown)}"
 
 
-def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,
-                        use_truncated=True, concurrency=64, request_timeout=3600.0, max_retries=3, backoff_base=1.0,
-                        backoff_max=30.0,
-                        api_key=None, progress=True) -> dict:
+def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None = None, *, url, model, head_path,
+                        storage, api_key=None, progress=True) -> dict:
     """Write one hidden-state shard from the extraction server at ``url`` (format: ``hidden.py``).
 
+    ``settings``: the sequences (max_length, use_truncated) and the client's concurrency, timeout and
+    retries (None: the schema's defaults).
     ``head_path``: ``target_head.safetensors`` (final-norm weight, aux layers, sizes); ``storage``:
     the directory the server writes per-request files into (must be the one it was started with).
     Refuses (``DiskSpaceError``) before sending anything when the disk is short. Raises
     ``ExtractError`` when the server stops answering or returns states that do not match; the
     finished rows are kept for the rerun. Returns counts, bytes and speed."""
+    s = settings or HiddenSettings.defaults()
+    max_length, use_truncated, concurrency = s.max_length, s.use_truncated, s.concurrency
     if isinstance(trace_paths, (str, Path)):
         trace_paths = [trace_paths]
     t_start = time.time()
     out_path, storage = Path(out_path), Path(storage).resolve()
-    client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=request_timeout,
-                          retry=RetryPolicy(max_retries, backoff_base, backoff_max), api_key=api_key)
+    client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=s.request_timeout,
+                          retry=RetryPolicy(s.max_retries, s.backoff_base, s.backoff_max), api_key=api_key)
     info, hidden_size, aux_layers = client.info, client.hidden_size, client.aux_layers
 
     seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
