@@ -152,3 +152,30 @@ def test_target_facts_are_written_and_read_by_one_pair(tmp_path):
 
 def test_stage_is_the_base_of_every_stage():
     assert all(issubclass(cls, Stage) for cls in STAGES)
+
+
+def test_schema_descriptions_are_short_and_the_long_ones_link_to_the_docs():
+    """A description is at most 200 characters; where a key needs more, it links to docs/settings.md,
+    which has a section for it."""
+    from eaglenest.config import SCHEMA_PATH, load_schema
+
+    docs = (SCHEMA_PATH.parent.parent / "docs" / "settings.md").read_text()
+    too_long, linked = [], 0
+
+    def walk(node, path):
+        nonlocal linked
+        if not isinstance(node, dict):
+            return
+        text = node.get("description")
+        if isinstance(text, str):
+            if len(text) > 200:
+                too_long.append(f"{path} ({len(text)})")
+            if "docs/settings.md" in text and path.count(".") > 0:
+                linked += 1
+                assert f"### {path}" in docs, f"docs/settings.md has no section on {path}"
+        for key, sub in node.get("properties", {}).items():
+            walk(sub, f"{path}.{key}" if path else key)
+
+    walk(load_schema(), "")
+    assert not too_long, too_long
+    assert linked >= 15
