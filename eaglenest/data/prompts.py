@@ -27,11 +27,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..config import defaults
 from ..errors import PromptsError, RowError, TracesError
 # Where dataset.generate writes the target's own questions, and the dataset prepare_prompts reads: both
 # live with the stage's settings (re-exported here for the rules, the plan and data.questions).
-from ..settings import QUESTIONS_FILE, dataset_path  # noqa: F401
+from ..settings import QUESTIONS_FILE, PromptSettings, dataset_path  # noqa: F401
 from ..util import progress_bar, say, write_atomic
 
 
@@ -64,7 +63,6 @@ EXTENSIONS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz"
               ".parquet": "parquet", ".csv": "csv"}
 
 PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
-CACHE_DIR = defaults("dataset")["cache_dir"]
 
 
 
@@ -302,20 +300,20 @@ def _json_rows(path: str, files: list[str]):
 # The stage
 
 
-def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
-                    heldout: int = 0, seed: int = 0, keep_system: bool = False,
-                    max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
-                    progress: bool = True, subset: str | None = None) -> dict:
+def prepare_prompts(out_dir, settings: PromptSettings | None = None, *, progress: bool = True,
+                    subset: str | None = None) -> dict:
     """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
 
-    path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
-    Hugging Face hub dataset name (loaded with `split`, and `subset`: the dataset's configuration,
-    e.g. "main" for openai/gsm8k). `cache_dir`: where `datasets` keeps its Arrow
-    copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
-    default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
+    ``settings`` (None: the schema's defaults): ``path`` is a local file (.jsonl, .jsonl.gz, .json,
+    .parquet, .csv), a directory of such files, or a Hugging Face hub dataset name (loaded with `split`,
+    and `subset`: the dataset's configuration, e.g. "main" for openai/gsm8k). `cache_dir`: where
+    `datasets` keeps its Arrow copy and hub downloads (None: datasets' own default,
+    ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
     PromptsError when the dataset cannot be read, has no question column, or no row survives.
     """
-    path = str(path)
+    s = settings or PromptSettings.defaults()
+    path, shards, split, limit, heldout, seed = str(s.path), s.shards, s.split, s.limit, s.heldout, s.seed
+    keep_system, max_prompt_chars, cache_dir = s.keep_system, s.max_prompt_chars, s.cache_dir
     if not isinstance(shards, int) or shards < 1:
         raise PromptsError(f"shards must be a positive integer, got {shards!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
