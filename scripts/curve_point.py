@@ -8,7 +8,6 @@ to_log(snakemake.log[0])
 from eaglenest.settings import ValidateSettings
 from eaglenest.validation.curve import measure_point
 
-s = ValidateSettings.from_config(snakemake.config)
-measure_point(snakemake.input.checkpoint, snakemake.input.heldout, snakemake.output[0], server=s.server,
-              generation=s.generation, validate=s.validate,
-              log_dir=snakemake.params.log_dir, workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
+measure_point(snakemake.input.checkpoint, snakemake.input.heldout, snakemake.output[0],
+              ValidateSettings.from_config(snakemake.config), log_dir=snakemake.params.log_dir,
+              workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)

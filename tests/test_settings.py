@@ -131,6 +131,8 @@ def test_training_config_takes_the_drafts_shape_from_draft():
     ("eaglenest.states.target:save_target_head", HiddenSettings),
     ("eaglenest.draft.vocab:build_vocab", DraftSettings),
     ("eaglenest.data.prompts:prepare_prompts", PromptSettings),
+    ("eaglenest.validation.validate:validate_draft", ValidateSettings),
+    ("eaglenest.validation.curve:measure_point", ValidateSettings),
 ])
 def test_a_stage_function_takes_its_settings_object_not_keywords_that_repeat_the_schema(fn, cls):
     import importlib

@@ -37,6 +37,7 @@ from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
 from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
+from ..settings import ValidateSettings
 from ..serving.vllm import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
                             speculative_config, supported_version_note, vllm_version)
 from ..states.target import load_target
@@ -340,17 +341,19 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
-                   validate: dict | None = None, target=None, hidden_dtype="bfloat16", hidden_backend="transformers",
-                   checkpoint_path=None,
-                   log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None,
+def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, settings: ValidateSettings | None = None,
+                   *, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None,
                    curve_paths=()) -> dict:
-    """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
+    """The whole validation (module docstring); returns the report dict it wrote. ``settings``: the
+    stage's (the servers, the requests, the target; None: the schema's defaults). ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
     checkpoint) adds the export-against-training check; ``hidden_backend``: where validate.offline.engine is
     auto, transformers computes the offline prediction and the scores only if it held the target already; ``curve_paths``: the learning curve's points
     (``curve.measure_point``), drawn with the final draft's acceptance."""
+    settings = settings or ValidateSettings.defaults()
+    server, generation, validate, target = settings.server, settings.generation, settings.validate, settings.target
+    hidden_dtype, hidden_backend, cache_dir = settings.hidden_dtype, settings.hidden_backend, settings.cache_dir
     if not isinstance(drafts, dict):
         drafts = {"vllm": drafts}
     draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
