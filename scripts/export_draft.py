@@ -8,5 +8,4 @@ from eaglenest.settings import ExportSettings
 
 out = dict(snakemake.output.items())
 settings = ExportSettings.from_config(snakemake.config)
-export_draft(snakemake.input[0], out.get("vllm"), speculators_dir=out.get("speculators"), card=settings.card(),
-             verifier=settings.verifier, k=settings.k)
+export_draft(snakemake.input[0], out.get("vllm"), settings, speculators_dir=out.get("speculators"), card=settings.card())

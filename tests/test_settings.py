@@ -133,6 +133,7 @@ def test_training_config_takes_the_drafts_shape_from_draft():
     ("eaglenest.data.prompts:prepare_prompts", PromptSettings),
     ("eaglenest.validation.validate:validate_draft", ValidateSettings),
     ("eaglenest.validation.curve:measure_point", ValidateSettings),
+    ("eaglenest.draft.export:export_draft", ExportSettings),
 ])
 def test_a_stage_function_takes_its_settings_object_not_keywords_that_repeat_the_schema(fn, cls):
     import importlib
