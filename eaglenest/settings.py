@@ -103,6 +103,30 @@ class PromptSettings(Stage):
 
 
 @dataclass(frozen=True)
+class QuestionSettings(Stage):
+    """write_questions (dataset.generate): the target writes its own training questions on the trace server."""
+
+    served_model: str = setting(served_model_id, reads=("server.served_model_name", "server.model"))  # who writes
+    questions: int = setting("dataset.generate.questions")
+    max_tokens: int = setting("dataset.generate.max_tokens")
+    temperature: float = setting("dataset.generate.temperature")
+    top_p: float = setting("dataset.generate.top_p")
+    min_chars: int = setting("dataset.generate.min_chars")
+    seed: int = setting("dataset.generate.seed")
+    evalsets: list[dict] = setting("validate.datasets")  # their questions never become training questions
+    concurrency: int = setting("generation.concurrency", reruns=False)
+    request_timeout: float = setting("generation.request_timeout", reruns=False)
+    max_retries: int = setting("generation.max_retries", reruns=False)
+    backoff_base: float = setting("generation.backoff_base", reruns=False)
+    backoff_max: float = setting("generation.backoff_max", reruns=False)
+    cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
+
+    def retry(self) -> dict:
+        """The client's retry settings, as serving.client.RetryPolicy.from_settings reads them."""
+        return {k: getattr(self, k) for k in ("max_retries", "backoff_base", "backoff_max")}
+
+
+@dataclass(frozen=True)
 class GenerationSettings(Stage):
     """generate_traces: what makes the answers (the served model and the sampling), and how the client sends."""
 

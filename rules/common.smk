@@ -25,7 +25,7 @@ from eaglenest.checks import check_config
 from eaglenest.gguf import converted_dir, is_gguf
 from eaglenest.data.prompts import QUESTIONS_FILE
 from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
-                                TrainSettings, ValidateSettings)
+                                QuestionSettings, TrainSettings, ValidateSettings)
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
@@ -66,6 +66,7 @@ SHARDS = list(range(config["shards"]))
 # passes its stage's fingerprint() as its one settings param, so a change reruns exactly that stage.
 SERVER = ServerConfig.from_dict(config["server"])
 PROMPTS = PromptSettings.from_config(config)
+QUESTIONS = QuestionSettings.from_config(config)
 GENERATION = GenerationSettings.from_config(config)
 HIDDEN = HiddenSettings.from_config(config)
 DRAFT = DraftSettings.from_config(config)

@@ -25,10 +25,8 @@ rule write_questions:
     output:
         QUESTIONS_FILE,
     params:
-        generate=config["dataset"]["generate"],
-        # the served model: a new target writes new questions (a dict, so the lint does not read it as a path)
-        target={"model": SERVER.model_id},
-        evalsets=config["validate"]["datasets"],
+        # the served model, the sampling and the evaluation sets: a change writes the questions again
+        settings=QUESTIONS.fingerprint(),
     resources:
         generation_slots=1,
     conda:

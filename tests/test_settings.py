@@ -9,10 +9,10 @@ import pytest
 from eaglenest.config import ConfigError, defaults, validate_config
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
-                                Stage, TrainSettings, ValidateSettings, lookup)
+                                QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
 from eaglenest.states.target import TargetFacts
 
-STAGES = (PromptSettings, GenerationSettings, HiddenSettings, DraftSettings, TrainSettings, ValidateSettings,
+STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, TrainSettings, ValidateSettings,
           ExportSettings)
 
 
@@ -41,7 +41,8 @@ def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
     for section in ("generation", "hidden", "draft", "train", "export"):
         missing = {f"{section}.{k}" for k in defaults(section)} - read
         assert not missing, f"schema keys no stage reads: {sorted(missing)}"
-    assert {f"dataset.{k}" for k in defaults("dataset") if k != "generate"} <= read  # generate: write_questions
+    assert {f"dataset.{k}" for k in defaults("dataset") if k != "generate"} <= read
+    assert {f"dataset.generate.{k}" for k in defaults("dataset.generate")} <= read
     for key in read:
         lookup(defaults(), key)  # a KeyError: a field reads a key the schema does not have
 
@@ -57,6 +58,9 @@ def test_defaults_are_the_schemas(cls):
     (PromptSettings, {}, "dataset.heldout", 3, True),
     (PromptSettings, {}, "shards", 2, True),
     (PromptSettings, {}, "dataset.generate.questions", 5, True),  # the dataset read becomes the questions
+    (QuestionSettings, {}, "dataset.generate.temperature", 0.7, True),
+    (QuestionSettings, {}, "validate.datasets", [{"name": "x", "path": "toy/eval_prompts.jsonl"}], True),
+    (QuestionSettings, {}, "generation.concurrency", 7, False),
     (GenerationSettings, {}, "generation.concurrency", 7, False),
     (GenerationSettings, {}, "generation.request_timeout", 5, False),
     (GenerationSettings, {}, "generation.temperature", 0.6, True),
@@ -134,6 +138,7 @@ def test_training_config_takes_the_drafts_shape_from_draft():
     ("eaglenest.validation.validate:validate_draft", ValidateSettings),
     ("eaglenest.validation.curve:measure_point", ValidateSettings),
     ("eaglenest.draft.export:export_draft", ExportSettings),
+    ("eaglenest.data.questions:write_questions", QuestionSettings),
 ])
 def test_a_stage_function_takes_its_settings_object_not_keywords_that_repeat_the_schema(fn, cls):
     import importlib
