@@ -38,6 +38,7 @@ def main():
     from eaglenest.states.hidden import extract_hidden
     from eaglenest.states.target import save_target_head
     from eaglenest.serving.local import LocalPaths, start_local, stop_local
+    from eaglenest.serving.settings import ServerConfig
     from eaglenest.serving.lifecycle import wait_ready
     from eaglenest.serving.connector import read_states, storage_dir
 
@@ -50,11 +51,12 @@ def main():
             completion = [rng.randrange(3, 105) for _ in range(rng.randint(20, 400))]
             seqs.append(prompt + completion)
             f.write(json.dumps({"id": f"t{i}", "prompt_token_ids": prompt, "completion_token_ids": completion}) + "\n")
-    info = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY), aux_layers=AUX)).to_dict()
+    info = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY), aux_layers=AUX))
     storage = storage_dir(wd / "states")
     server = {"model": str(TOY), "served_model_name": "toy", "port": args.port, "max_model_len": 512,
               "gpu_memory_utilization": 0.1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600}
-    cfg = hidden_server_config(server, {"max_length": 512, "port": args.port}, info, storage)
+    cfg = hidden_server_config(ServerConfig.from_dict(server), HiddenSettings.defaults().replace(max_length=512, port=args.port),
+                               info, storage)
     paths = LocalPaths(wd / "logs")
     start_local(cfg, paths)
     try:

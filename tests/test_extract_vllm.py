@@ -21,6 +21,7 @@ from conftest import BASE_CONFIG, ROOT, TOY_TARGET, free_port
 from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.lifecycle import wait_ready
 from eaglenest.serving.local import LocalPaths, read_pidfile, start_local, stop_local
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, hidden_server_config
 from eaglenest.states.hidden import extract_hidden
 from eaglenest.states.target import save_target_head
@@ -100,10 +101,11 @@ def test_extraction_server_stopped_and_per_request_files_gone(vllm_backend_run):
 def server(tmp_path_factory):
     """One extraction server for the fault tests, started like the workflow starts it."""
     wd = tmp_path_factory.mktemp("faults")
-    info = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=AUX)).to_dict()
+    facts = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=AUX))
     storage = storage_dir(wd / "states")
     server_cfg = {**BASE_CONFIG["server"], "port": free_port()}
-    cfg = hidden_server_config(server_cfg, {"max_length": 512, "port": free_port()}, info, storage)
+    cfg = hidden_server_config(ServerConfig.from_dict(server_cfg), HiddenSettings.defaults().replace(max_length=512, port=free_port()),
+                               facts, storage)
     paths = LocalPaths(wd / "logs")
     start_local(cfg, paths)
     try:

@@ -97,7 +97,7 @@ class StubExtractionServer:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "target_head.safetensors"
-    return path, save_target_head(path, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=[1, 2, 3])).to_dict()
+    return path, save_target_head(path, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=[1, 2, 3]))
 
 
 def _traces(path, n=6):
@@ -173,7 +173,7 @@ def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypat
 
 def test_server_args_ask_for_aux_plus_final_layer_and_drop_contradicting_flags(head):
     info = head[1]
-    ids = [1, 2, 3, info["num_hidden_layers"]]  # the aux layers, then the final layer (the toy's 28th)
+    ids = [1, 2, 3, info.num_hidden_layers]  # the aux layers, then the final layer (the toy's 28th)
     assert layer_ids(info) == ids
     args = extraction_server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
                                                "--speculative-config", "{}", "--enable-chunked-prefill"])
