@@ -194,6 +194,11 @@ class HiddenSettings(Stage):
             return {**states, "served": copy.deepcopy(self.served)}
         return {"target": self.target, "aux_layers": copy.deepcopy(self.aux_layers), "dtype": self.dtype, **states}
 
+    def server_fingerprint(self) -> dict:
+        """Every hidden key (the extraction server's port, environment, memory share ...): a change starts
+        the extraction server again."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
     def head_fingerprint(self) -> dict:
         """What changes target_head.safetensors and its facts: the target and the aux layers."""
         return {"target": self.target, "aux_layers": copy.deepcopy(self.aux_layers)}

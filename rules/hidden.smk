@@ -30,7 +30,7 @@ if VLLM_HIDDEN:
             temp("hidden_server.ready"),
         params:
             # the extraction server: the generation server's settings and the extraction's (a change restarts it)
-            settings={"server": SERVER.fingerprint(), "hidden": HIDDEN.fingerprint()},
+            settings={"server": SERVER.fingerprint(), "hidden": HIDDEN.server_fingerprint()},
             log_dir=HIDDEN_SERVER_LOG_DIR,
             states_dir=HIDDEN_STATES_DIR,
         conda:

@@ -188,3 +188,9 @@ def test_schema_descriptions_are_short_and_the_long_ones_link_to_the_docs():
     walk(load_schema(), "")
     assert not too_long, too_long
     assert linked >= 15
+
+
+def test_any_hidden_key_restarts_the_extraction_server_but_only_some_re_extract():
+    base = HiddenSettings.defaults()
+    changed = base.replace(port=8999)
+    assert changed.fingerprint() == base.fingerprint() and changed.server_fingerprint() != base.server_fingerprint()
