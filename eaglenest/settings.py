@@ -25,7 +25,7 @@ from typing import Any, Callable
 from .config import defaults as config_defaults
 
 # dataset.generate writes the target's own questions here; prepare_prompts then reads them
-# (eaglenest.data.prompts.QUESTIONS_FILE: the same path, kept there for the rules and the plan).
+# (eaglenest.data.prompts re-exports it for the rules and the plan).
 QUESTIONS_FILE = "data/questions.jsonl"
 
 
@@ -52,8 +52,9 @@ class Stage:
 
     @classmethod
     def from_config(cls, config: dict):
-        """The stage's settings from a validated config (every key present: defaults filled in)."""
-        return cls(**{f.name: f.metadata["read"](config) for f in fields(cls)})
+        """The stage's settings from a validated config (every key present: defaults filled in); a copy, so
+        a later change to ``config`` does not reach them."""
+        return cls(**{f.name: copy.deepcopy(f.metadata["read"](config)) for f in fields(cls)})
 
     @classmethod
     def defaults(cls):
