@@ -157,6 +157,9 @@ def test_target_facts_are_written_and_read_by_one_pair(tmp_path):
     facts.write(tmp_path / "target_head.safetensors")
     assert (tmp_path / "target_head.json").is_file()
     assert TargetFacts.read(tmp_path / "target_head.safetensors") == facts
+    (tmp_path / "target_head.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match=r"target_head.json does not hold.*missing \['architectures'"):
+        TargetFacts.read(tmp_path / "target_head.safetensors")
 
 
 def test_stage_is_the_base_of_every_stage():

@@ -62,7 +62,14 @@ class TargetFacts:
     @classmethod
     def read(cls, head_path) -> "TargetFacts":
         """The facts ``write`` left beside ``head_path``."""
-        return cls(**json.loads(cls.json_path(head_path).read_text()))
+        path = cls.json_path(head_path)
+        facts = json.loads(path.read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(facts) != names:
+            raise ValueError(f"{path} does not hold the target's facts this version writes (missing "
+                             f"{sorted(names - set(facts))}, unknown {sorted(set(facts) - names)}): delete it and "
+                             f"{Path(head_path).name}, and rerun (rule save_target_head writes both again)")
+        return cls(**facts)
 
 
 def resolve_device(device="auto"):
