@@ -5,7 +5,7 @@ importing the trainer."""
 
 import json
 
-from ..settings import TrainSettings
+from ..settings import DraftSettings, TrainSettings
 from ..util import save_safetensors
 from .config import DraftConfig
 
@@ -24,8 +24,7 @@ def resolve_config(config):
 
 def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
     """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
-    keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
-    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in keys})
+    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in DraftSettings.defaults().shape()})
 
 
 def load_checkpoint(path):
