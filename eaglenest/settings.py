@@ -92,7 +92,8 @@ def dataset_path(config: dict) -> str:
 class PromptSettings(Stage):
     """prepare_prompts: the dataset, its shuffle and split into training shards and the held-out set."""
 
-    path: str = setting(dataset_path, reads=("dataset.path", "dataset.generate.questions"))  # the dataset read (data/questions.jsonl with dataset.generate)
+    # the dataset read: data/questions.jsonl where dataset.generate writes the questions
+    path: str = setting(dataset_path, reads=("dataset.path", "dataset.generate.questions"))
     split: str = setting("dataset.split")
     limit: int | None = setting("dataset.limit")
     heldout: int = setting("dataset.heldout")
@@ -203,10 +204,6 @@ class HiddenSettings(Stage):
     def head_fingerprint(self) -> dict:
         """What changes target_head.safetensors and its facts: the target and the aux layers."""
         return {"target": self.target, "aux_layers": copy.deepcopy(self.aux_layers)}
-
-    def retry(self) -> dict:
-        """The client's retry settings, as serving.client.RetryPolicy.from_settings reads them."""
-        return {k: getattr(self, k) for k in ("max_retries", "backoff_base", "backoff_max")}
 
 
 @dataclass(frozen=True)
