@@ -64,7 +64,7 @@ def facts_config():
 SHARDS = list(range(config["shards"]))
 # One settings object per stage (eaglenest.settings), built once from the validated config; each rule
 # passes its stage's fingerprint() as its one settings param, so a change reruns exactly that stage.
-SERVER = ServerConfig.from_dict(config["server"])
+SERVER = ServerConfig.from_config(config)
 PROMPTS = PromptSettings.from_config(config)
 QUESTIONS = QuestionSettings.from_config(config)
 GENERATION = GenerationSettings.from_config(config)
@@ -77,11 +77,11 @@ SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 # hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and
 # pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
-VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
+VLLM_HIDDEN = HIDDEN.backend == "vllm"
 HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
-HIDDEN_STATES_DIR = config["hidden"]["states_dir"]
+HIDDEN_STATES_DIR = HIDDEN.states_dir
 # hidden.mode stream: no shards; train_draft reads the states from the running extraction server.
-STREAM = config["hidden"]["mode"] == "stream"
+STREAM = HIDDEN.mode == "stream"
 if VLLM_HIDDEN and workflow.is_main_process:
     # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
     try:
@@ -168,18 +168,18 @@ DRAFT_DIRS = {"vllm": "draft/checkpoint", "speculators": "draft/speculators"}
 
 def draft_dirs():
     """``{format: directory}`` of the formats export.format asks for."""
-    fmt = config["export"]["format"]
+    fmt = EXPORT.format
     return {f: d for f, d in DRAFT_DIRS.items() if fmt in (f, "both")}
 
 
 def snapshot_files():
     """The drafts train_draft keeps along training (train.snapshots), each measured by rule curve_point."""
-    return expand("draft/curve/point_{i}.safetensors", i=range(1, config["train"]["snapshots"] + 1))
+    return expand("draft/curve/point_{i}.safetensors", i=range(1, TRAIN.snapshots + 1))
 
 
 def curve_files():
     """The learning curve's points: vLLM's acceptance of each draft kept along training (rule curve_point)."""
-    return expand("reports/curve/point_{i}.json", i=range(1, config["train"]["snapshots"] + 1))
+    return expand("reports/curve/point_{i}.json", i=range(1, TRAIN.snapshots + 1))
 
 
 def all_targets(wildcards):
@@ -188,12 +188,12 @@ def all_targets(wildcards):
 
 def train_processes():
     """torchrun processes for training: train.nproc, else one per GPU the rule asks for."""
-    return config["train"]["nproc"] or max(1, gpus("train"))
+    return TRAIN.nproc or max(1, gpus("train"))
 
 
 def hidden_output(path):
     """Hidden shards are hundreds of GB at real scale: hidden.temporary deletes them after training."""
-    return temp(path) if config["hidden"]["temporary"] else path
+    return temp(path) if HIDDEN.temporary else path
 
 
 def dataset_files(wildcards):
@@ -211,7 +211,7 @@ def target_files():
 
 def evalset_files():
     """validate.datasets' local files are inputs of validate_draft, so editing one reruns it."""
-    return [d["path"] for d in config["validate"]["datasets"] if os.path.exists(d["path"])]
+    return [d["path"] for d in VALIDATE.validate["datasets"] if os.path.exists(d["path"])]
 
 
 def hidden_server_stopped():
