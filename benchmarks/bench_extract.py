@@ -84,6 +84,7 @@ def forward_ceiling(model, aux_layers, length, batch_tokens, vocab, dev, seqs, i
 def main():
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from eaglenest.settings import HiddenSettings
     from eaglenest.states.hidden import extract_hidden
 
     p = argparse.ArgumentParser()
@@ -122,14 +123,14 @@ def main():
 
         small = Path(tmp) / "warm.jsonl"
         write_traces(small, min(a.seqs, INFLIGHT * max(1, a.batch_tokens // a.len)), a.len, cfg.vocab_size, seed=1)
-        extract_hidden([small], Path(tmp) / "warm.safetensors", "random-llama", model=model, aux_layers=aux,
-                       max_length=a.len, batch_tokens=a.batch_tokens, device=dev, progress=False)
+        settings = HiddenSettings.defaults().replace(target="random-llama", aux_layers=aux, max_length=a.len,
+                                                     batch_tokens=a.batch_tokens, device=dev)
+        extract_hidden([small], Path(tmp) / "warm.safetensors", settings, model=model, progress=False)
         if dev == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        stats = extract_hidden([traces], out, "random-llama", model=model, aux_layers=aux, max_length=a.len,
-                               batch_tokens=a.batch_tokens, device=dev, progress=False)
+        stats = extract_hidden([traces], out, settings, model=model, progress=False)
         seconds = time.perf_counter() - t0
         size = out.stat().st_size
     tokens = a.seqs * a.len

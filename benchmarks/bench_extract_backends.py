@@ -34,9 +34,11 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from eaglenest.states.extract import extract_hidden_vllm, hidden_server_config, layer_ids
+    from eaglenest.settings import HiddenSettings
     from eaglenest.states.hidden import extract_hidden
     from eaglenest.states.target import save_target_head
     from eaglenest.serving.local import LocalPaths, start_local, stop_local
+    from eaglenest.serving.settings import ServerConfig
     from eaglenest.serving.lifecycle import wait_ready
     from eaglenest.serving.connector import read_states, storage_dir
 
@@ -49,19 +51,21 @@ def main():
             completion = [rng.randrange(3, 105) for _ in range(rng.randint(20, 400))]
             seqs.append(prompt + completion)
             f.write(json.dumps({"id": f"t{i}", "prompt_token_ids": prompt, "completion_token_ids": completion}) + "\n")
-    info = save_target_head(str(TOY), wd / "head.safetensors", aux_layers=AUX)
+    info = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY), aux_layers=AUX))
     storage = storage_dir(wd / "states")
     server = {"model": str(TOY), "served_model_name": "toy", "port": args.port, "max_model_len": 512,
               "gpu_memory_utilization": 0.1, "dtype": "float32", "poll_interval": 1, "ready_timeout": 600}
-    cfg = hidden_server_config(server, {"max_length": 512, "port": args.port}, info, storage)
+    cfg = hidden_server_config(ServerConfig.from_dict(server), HiddenSettings.defaults().replace(max_length=512, port=args.port),
+                               info, storage)
     paths = LocalPaths(wd / "logs")
     start_local(cfg, paths)
     try:
         wait_ready(cfg, paths)
         t = time.time()
-        v = extract_hidden_vllm([wd / "traces.jsonl"], wd / "v.safetensors", url=cfg.local_url, model="toy",
-                                head_path=wd / "head.safetensors", storage=storage, max_length=512,
-                                concurrency=args.concurrency, progress=False)
+        v = extract_hidden_vllm([wd / "traces.jsonl"], wd / "v.safetensors",
+                                HiddenSettings.defaults().replace(max_length=512, concurrency=args.concurrency),
+                                url=cfg.local_url, model="toy", head_path=wd / "head.safetensors", storage=storage,
+                                progress=False)
         v_wall = time.time() - t
         # float32 agreement: a few raw per-request files, kept by asking the server directly
         import urllib.request
@@ -75,8 +79,8 @@ def main():
     finally:
         stop_local(paths)
     t = time.time()
-    tf = extract_hidden([wd / "traces.jsonl"], wd / "t.safetensors", str(TOY), aux_layers=AUX, max_length=512,
-                        dtype="float32", progress=False)
+    tf = extract_hidden([wd / "traces.jsonl"], wd / "t.safetensors",
+                        HiddenSettings.defaults().replace(target=str(TOY), aux_layers=AUX, max_length=512, dtype="float32"), progress=False)
     tf_wall = time.time() - t
     from safetensors import safe_open
 

@@ -46,6 +46,7 @@ def make_data(root, size, seqs, seq, dev):
     """Shard + target head + vocabulary of a random 4-layer target of ``size``'s widths."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from eaglenest.settings import DraftSettings, HiddenSettings
     from eaglenest.states.hidden import extract_hidden
     from eaglenest.states.target import save_target_head
     from eaglenest.draft.vocab import build_vocab
@@ -65,11 +66,12 @@ def make_data(root, size, seqs, seq, dev):
     traces = root / "traces.jsonl"
     write_traces(traces, seqs, seq, V)
     t0 = time.perf_counter()
-    ext = extract_hidden([traces], root / "shard_0.safetensors", f"random-{size}", model=target, max_length=seq,
-                         batch_tokens=16384, device=dev, progress=False)
+    ext = extract_hidden([traces], root / "shard_0.safetensors",
+                         HiddenSettings.defaults().replace(target=f"random-{size}", max_length=seq, batch_tokens=16384, device=dev),
+                         model=target, progress=False)
     extract_s = time.perf_counter() - t0
-    save_target_head(f"random-{size}", root / "target_head.safetensors", model=target)
-    build_vocab([traces], root / "vocab.safetensors", target_vocab_size=V, draft_vocab_size=min(32000, V // 2))
+    save_target_head(root / "target_head.safetensors", HiddenSettings.defaults().replace(target=f"random-{size}"), model=target)
+    build_vocab([traces], root / "vocab.safetensors", V, DraftSettings.defaults().replace(vocab_size=min(32000, V // 2)))
     del target
     if dev == "cuda":
         torch.cuda.empty_cache()

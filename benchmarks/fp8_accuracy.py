@@ -44,6 +44,7 @@ def make_data(root, seqs, dev, max_len=128):
     """Traces of the toy target's greedy answers, one shard of its states, its head and the vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eaglenest.settings import DraftSettings, HiddenSettings
     from eaglenest.draft.vocab import build_vocab
     from eaglenest.states.hidden import extract_hidden
     from eaglenest.states.target import save_target_head
@@ -66,10 +67,11 @@ def make_data(root, seqs, dev, max_len=128):
                 f.write(json.dumps({"id": f"{i:08x}", "prompt_token_ids": prompt, "completion_token_ids": c, "truncated": False}) + "\n")
                 kept += 1
     V = target.config.vocab_size
-    ext = extract_hidden([traces], root / "shard_0.safetensors", str(TOY / "target"), model=target, max_length=max_len,
-                         batch_tokens=16384, device=dev, progress=False)
-    save_target_head(str(TOY / "target"), root / "target_head.safetensors", model=target)
-    build_vocab([traces], root / "vocab.safetensors", target_vocab_size=V, draft_vocab_size=V)
+    ext = extract_hidden([traces], root / "shard_0.safetensors",
+                         HiddenSettings.defaults().replace(target=str(TOY / "target"), max_length=max_len, batch_tokens=16384, device=dev),
+                         model=target, progress=False)
+    save_target_head(root / "target_head.safetensors", HiddenSettings.defaults().replace(target=str(TOY / "target")), model=target)
+    build_vocab([traces], root / "vocab.safetensors", V, DraftSettings.defaults().replace(vocab_size=V))
     del target
     return {"sequences": kept, "of": len(rows), "tokens": ext.get("tokens"), "generate_s": round(gen_s, 1)}
 

@@ -17,7 +17,11 @@ from .errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
-
+# Keys that moved: a config that still has one is refused, naming where it went (docs/settings.md).
+MOVED_KEYS = {
+    **{f"train.{k}": f"draft.{k}" for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                              "head_dim")},
+}
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
@@ -59,9 +63,24 @@ def _key_path(error) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
 
+def check_moved_keys(config: dict, source: str = "config") -> None:
+    """Refuse a config that sets a key of MOVED_KEYS, naming each one's new place."""
+    found = []
+    for old, new in MOVED_KEYS.items():
+        section, key = old.rsplit(".", 1)
+        value = config
+        for part in section.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, dict) and key in value:
+            found.append(f"{old} moved to {new}")
+    if found:
+        raise ConfigError(f"{source}: " + "; ".join(found) + " (docs/settings.md): move the key(s) there")
+
+
 def validate_config(config: dict, schema: dict | None = None, source: str = "config") -> dict:
     """Return a copy of `config` with defaults filled in; raise ConfigError naming every bad key."""
     schema = schema or load_schema()
+    check_moved_keys(config or {}, source)
     config = _fill_defaults(schema, copy.deepcopy(config or {}))
     import jsonschema  # only where a config is validated: the library's defaults need just the schema file
 

@@ -20,11 +20,12 @@ from eaglenest.config import ConfigError, validate_config, write_resolved_config
 from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
-from eaglenest.data.traces import ANSWER_SETTINGS
 from eaglenest.plan import format_plan, make_plan, stage_gpus, validation_refusal
 from eaglenest.checks import check_config
 from eaglenest.gguf import converted_dir, is_gguf
-from eaglenest.data.prompts import QUESTIONS_FILE, dataset_path
+from eaglenest.data.prompts import QUESTIONS_FILE
+from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
+                                QuestionSettings, TrainSettings, ValidateSettings)
 
 # What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
@@ -61,19 +62,26 @@ def facts_config():
 
 
 SHARDS = list(range(config["shards"]))
-SERVER = ServerConfig.from_dict(config["server"])
+# One settings object per stage (eaglenest.settings), built once from the validated config; each rule
+# passes its stage's fingerprint() as its one settings param, so a change reruns exactly that stage.
+SERVER = ServerConfig.from_config(config)
+PROMPTS = PromptSettings.from_config(config)
+QUESTIONS = QuestionSettings.from_config(config)
+GENERATION = GenerationSettings.from_config(config)
+HIDDEN = HiddenSettings.from_config(config)
+DRAFT = DraftSettings.from_config(config)
+TRAIN = TrainSettings.from_config(config)
+VALIDATE = ValidateSettings.from_config(config)
+EXPORT = ExportSettings.from_config(config)
 SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 # hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and
 # pidfile or job record) and the mode-0700 directory it writes per-request hidden-state files into.
-VLLM_HIDDEN = config["hidden"]["backend"] == "vllm"
+VLLM_HIDDEN = HIDDEN.backend == "vllm"
 HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
-HIDDEN_STATES_DIR = config["hidden"]["states_dir"]
+HIDDEN_STATES_DIR = HIDDEN.states_dir
 # hidden.mode stream: no shards; train_draft reads the states from the running extraction server.
-STREAM = config["hidden"]["mode"] == "stream"
-# hidden: keys of stream mode and of the extraction server's placement (none changes a shard's content)
-STREAM_KEYS = ("mode", "max_disk_gb", "cache", "stream_ahead", "placement", "states_dir", "server_env",
-               "gpu_memory_utilization", "gpu_memory_gib")
+STREAM = HIDDEN.mode == "stream"
 if VLLM_HIDDEN and workflow.is_main_process:
     # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
     try:
@@ -160,24 +168,18 @@ DRAFT_DIRS = {"vllm": "draft/checkpoint", "speculators": "draft/speculators"}
 
 def draft_dirs():
     """``{format: directory}`` of the formats export.format asks for."""
-    fmt = config["export"]["format"]
+    fmt = EXPORT.format
     return {f: d for f, d in DRAFT_DIRS.items() if fmt in (f, "both")}
-
-
-def validation_generation():
-    """What validation's requests take from generation: (validate.max_tokens and the temperatures win)."""
-    keys = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body", "request_timeout")
-    return {k: config["generation"][k] for k in keys}
 
 
 def snapshot_files():
     """The drafts train_draft keeps along training (train.snapshots), each measured by rule curve_point."""
-    return expand("draft/curve/point_{i}.safetensors", i=range(1, config["train"]["snapshots"] + 1))
+    return expand("draft/curve/point_{i}.safetensors", i=range(1, TRAIN.snapshots + 1))
 
 
 def curve_files():
     """The learning curve's points: vLLM's acceptance of each draft kept along training (rule curve_point)."""
-    return expand("reports/curve/point_{i}.json", i=range(1, config["train"]["snapshots"] + 1))
+    return expand("reports/curve/point_{i}.json", i=range(1, TRAIN.snapshots + 1))
 
 
 def all_targets(wildcards):
@@ -186,28 +188,18 @@ def all_targets(wildcards):
 
 def train_processes():
     """torchrun processes for training: train.nproc, else one per GPU the rule asks for."""
-    return config["train"]["nproc"] or max(1, gpus("train"))
-
-
-def target_model():
-    """The target as transformers loads it: hidden.target, else the served model."""
-    return config["hidden"]["target"] or config["server"]["model"]
+    return TRAIN.nproc or max(1, gpus("train"))
 
 
 def hidden_output(path):
     """Hidden shards are hundreds of GB at real scale: hidden.temporary deletes them after training."""
-    return temp(path) if config["hidden"]["temporary"] else path
-
-
-def answer_settings():
-    """The settings that change the answers (the served model included): a change reruns the traces."""
-    return {"model": SERVER.model_id, **{k: config["generation"][k] for k in ANSWER_SETTINGS}}
+    return temp(path) if HIDDEN.temporary else path
 
 
 def dataset_files(wildcards):
     """A local dataset is an input, so editing it reruns prepare_prompts; a hub name is not a file. With
     dataset.generate, the questions the target writes (rule write_questions)."""
-    path = dataset_path(config)
+    path = PROMPTS.path
     return [path] if path == QUESTIONS_FILE or os.path.exists(path) else []
 
 
@@ -219,7 +211,7 @@ def target_files():
 
 def evalset_files():
     """validate.datasets' local files are inputs of validate_draft, so editing one reruns it."""
-    return [d["path"] for d in config["validate"]["datasets"] if os.path.exists(d["path"])]
+    return [d["path"] for d in VALIDATE.validate["datasets"] if os.path.exists(d["path"])]
 
 
 def hidden_server_stopped():
@@ -234,15 +226,6 @@ def train_inputs():
     if STREAM:
         return {"traces": expand("traces/shard_{i}.jsonl", i=SHARDS), "ready": "hidden_server.ready"}
     return {"hidden": expand("hidden/shard_{i}.safetensors", i=SHARDS), "hidden_server_stopped": hidden_server_stopped()}
-
-
-def stream_params():
-    """Stream mode: what makes the sequences and the states vLLM computes (as for the shards), so a
-    change retrains; files mode: nothing (its params stay as they were)."""
-    if not STREAM:
-        return {}
-    return {"stream": {**{k: config["hidden"][k] for k in ("max_length", "use_truncated")},
-                       **{k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")}}}
 
 
 def after_training():

@@ -5,8 +5,7 @@ rule build_vocab:
     output:
         "draft/vocab.safetensors",
     params:
-        vocab_size=config["draft"]["vocab_size"],
-        use_truncated=config["hidden"]["use_truncated"],
+        settings=DRAFT.vocab_fingerprint(),
     conda:
         "../envs/eaglenest.yaml"
     log:
@@ -25,11 +24,9 @@ rule train_draft:
         metrics="draft/train_metrics.csv",
         snapshots=snapshot_files(),
     params:
-        train={k: v for k, v in config["train"].items() if k not in ("device", "gpus", "nproc")},
+        settings=TRAIN.fingerprint(),
         nproc=train_processes(),
-        norm_before_residual=config["draft"]["norm_before_residual"],
         state_dir="draft/.train_state",
-        **stream_params(),
     threads: all_cores()
     resources:
         **gpu_resources("train"),
@@ -51,9 +48,7 @@ rule export_draft:
     output:
         **{f: directory(d) for f, d in draft_dirs().items()},
     params:
-        card={"dataset": config["dataset"]["path"], "target": target_model(), "license": config["export"]["license"]},
-        verifier=config["export"]["verifier"] or config["server"]["model"],
-        k=config["validate"]["num_speculative_tokens"],
+        settings=EXPORT.fingerprint(),
     conda:
         "../envs/eaglenest.yaml"
     log:

@@ -5,10 +5,7 @@ rule save_target_head:
     output:
         "hidden/target_head.safetensors",
     params:
-        target=target_model(),
-        aux_layers=config["draft"]["aux_layers"],
-        # only the transformers backend, which loads the target anyway, may load it for unusual tensor names
-        allow_load=config["hidden"]["backend"] == "transformers",
+        settings=HIDDEN.head_fingerprint(),
     conda:
         "../envs/eaglenest.yaml"
     log:
@@ -32,8 +29,8 @@ if VLLM_HIDDEN:
         output:
             temp("hidden_server.ready"),
         params:
-            server=config["server"],
-            hidden=config["hidden"],
+            # the extraction server: the generation server's settings and the extraction's (a change restarts it)
+            settings={"server": SERVER.fingerprint(), "hidden": HIDDEN.server_fingerprint()},
             log_dir=HIDDEN_SERVER_LOG_DIR,
             states_dir=HIDDEN_STATES_DIR,
         conda:
@@ -53,9 +50,8 @@ if VLLM_HIDDEN:
         output:
             hidden_output("hidden/shard_{i}.safetensors"),
         params:
-            hidden={k: v for k, v in config["hidden"].items() if k in ("max_length", "use_truncated")},
             # what changes the states vLLM computes: a change re-extracts every shard
-            served={k: config["server"][k] for k in ("model", "dtype", "tensor_parallel_size", "extra_args")},
+            settings=HIDDEN.fingerprint(),
         resources:
             # One shard at a time against the server, each with hidden.concurrency requests in flight.
             generation_slots=1,
@@ -76,7 +72,7 @@ if VLLM_HIDDEN:
         output:
             "hidden_server.stopped",
         params:
-            server=config["server"],
+            settings=SERVER.fingerprint(),
             log_dir=HIDDEN_SERVER_LOG_DIR,
         conda:
             "../envs/eaglenest.yaml"
@@ -96,11 +92,7 @@ else:
         output:
             hidden_output("hidden/shard_{i}.safetensors"),
         params:
-            target=target_model(),
-            aux_layers=config["draft"]["aux_layers"],
-            hidden={k: v for k, v in config["hidden"].items()
-                    if k not in ("temporary", "device", "batch_tokens", "gpus", "backend", "concurrency", "port",
-                                 "request_timeout", "max_retries", "backoff_base", "backoff_max", *STREAM_KEYS)},
+            settings=HIDDEN.fingerprint(),
         resources:
             **gpu_resources("hidden"),
         conda:

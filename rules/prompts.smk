@@ -6,12 +6,8 @@ rule prepare_prompts:
         heldout="data/prompts/heldout.jsonl",
         stats="data/prompts/stats.json",
     params:
-        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun.
-        # cache_dir changes where datasets caches, not the prompts: it is no reason to rerun; generate makes
-        # data/questions.jsonl, this rule's input (write_questions below reruns on its changes).
-        path=dataset_path(config),
-        dataset={k: v for k, v in config["dataset"].items() if k not in ("cache_dir", "generate")},
-        shards=config["shards"],
+        # dataset.generate makes data/questions.jsonl, this rule's input (write_questions below reruns on its changes).
+        settings=PROMPTS.fingerprint(),
     conda:
         "../envs/eaglenest.yaml"
     log:
@@ -29,10 +25,8 @@ rule write_questions:
     output:
         QUESTIONS_FILE,
     params:
-        generate=config["dataset"]["generate"],
-        # the served model: a new target writes new questions (a dict, so the lint does not read it as a path)
-        target={"model": SERVER.model_id},
-        evalsets=config["validate"]["datasets"],
+        # the served model, the sampling and the evaluation sets: a change writes the questions again
+        settings=QUESTIONS.fingerprint(),
     resources:
         generation_slots=1,
     conda:

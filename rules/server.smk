@@ -13,7 +13,7 @@ rule server_ready:
     output:
         temp("server.ready"),
     params:
-        server=config["server"],
+        settings=SERVER.fingerprint(),
         log_dir=SERVER_LOG_DIR,
     conda:
         "../envs/eaglenest.yaml"
@@ -33,7 +33,7 @@ rule stop_server:
         # Every shard's statistics in one table; written here, the one rule that waits for all shards.
         table="traces/stats.csv",
     params:
-        server=config["server"],
+        settings=SERVER.fingerprint(),
         log_dir=SERVER_LOG_DIR,
     conda:
         "../envs/eaglenest.yaml"

@@ -7,7 +7,7 @@ rule generate_traces:
         stats="traces/shard_{i}.stats.json",
     params:
         # Only what changes the answers: concurrency or timeouts do not make traces stale.
-        answers=answer_settings(),
+        settings=GENERATION.fingerprint(),
     resources:
         # Shards go one at a time, each with generation.concurrency requests in flight.
         generation_slots=1,

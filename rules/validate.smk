@@ -14,14 +14,8 @@ rule validate_draft:
         csv="reports/validation.csv",
         html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
     params:
-        server=config["server"],
-        generation=validation_generation(),
-        validate=config["validate"],
-        target=target_model(),
-        hidden_dtype=config["hidden"]["dtype"],
-        hidden_backend=config["hidden"]["backend"],
+        settings=VALIDATE.fingerprint(),
         log_dir="logs/validate",
-        cache_dir=config["dataset"]["cache_dir"],
     threads: all_cores()
     resources:
         **gpu_resources("validate"),
@@ -46,9 +40,7 @@ rule curve_point:
     output:
         "reports/curve/point_{i}.json",
     params:
-        server=config["server"],
-        generation=validation_generation(),
-        validate=config["validate"],
+        settings=VALIDATE.fingerprint(),
         log_dir="logs/validate",
     wildcard_constraints:
         i=r"\d+",

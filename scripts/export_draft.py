@@ -4,7 +4,8 @@ from eaglenest.logs import to_log
 to_log(snakemake.log[0])
 
 from eaglenest.draft.export import export_draft
+from eaglenest.settings import ExportSettings
 
 out = dict(snakemake.output.items())
-export_draft(snakemake.input[0], out.get("vllm"), speculators_dir=out.get("speculators"), card=snakemake.params.card,
-             verifier=snakemake.params.verifier, k=snakemake.params.k)
+settings = ExportSettings.from_config(snakemake.config)
+export_draft(snakemake.input[0], out.get("vllm"), settings, speculators_dir=out.get("speculators"), card=settings.card())

@@ -6,8 +6,10 @@ to_log(snakemake.log[0])
 from eaglenest.data.traces import generate_shard
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import ServerConfig
+from eaglenest.settings import GenerationSettings
 
-api_key = ServerConfig.from_dict(snakemake.config["server"]).api_key()
+api_key = ServerConfig.from_config(snakemake.config).api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)
 generate_shard(snakemake.input.prompts, snakemake.output.traces, urls=ready["urls"], model=ready["model"],
-               generation=snakemake.config["generation"], api_key=api_key, stats_path=snakemake.output.stats)
+               generation=GenerationSettings.from_config(snakemake.config).section(), api_key=api_key,
+               stats_path=snakemake.output.stats)

@@ -3,9 +3,9 @@ from eaglenest.logs import to_log
 
 to_log(snakemake.log[0])
 
+from eaglenest.settings import HiddenSettings
 from eaglenest.states.target import save_target_head
 from eaglenest.util import say
 
-info = save_target_head(snakemake.params.target, snakemake.output[0], aux_layers=snakemake.params.aux_layers,
-                        allow_load=snakemake.params.allow_load)
-say(f"target head saved: vocab {info['vocab_size']}, hidden {info['hidden_size']}, aux layers {info['aux_layers']}")
+facts = save_target_head(snakemake.output[0], HiddenSettings.from_config(snakemake.config))
+say(f"target head saved: vocab {facts.vocab_size}, hidden {facts.hidden_size}, aux layers {facts.aux_layers}")

@@ -9,7 +9,7 @@ from eaglenest.serving.lifecycle import kv_shortfall, start_server, write_sentin
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import say
 
-cfg = ServerConfig.from_dict(snakemake.params.server)
+cfg = ServerConfig.from_config(snakemake.config)
 ready = start_server(cfg, snakemake.params.log_dir, sentinel=snakemake.output[0],
                      workflow_pid=int(os.environ.get("EAGLENEST_WORKFLOW_PID", 0)) or None)
 # generation.concurrency is read from the config, not a param: a change must not restart the server.

@@ -8,7 +8,7 @@ from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.util import say, write_atomic
 
-what = stop_server(ServerConfig.from_dict(snakemake.params.server), snakemake.params.log_dir)
+what = stop_server(ServerConfig.from_config(snakemake.config), snakemake.params.log_dir)
 say(f"server ({snakemake.params.log_dir}): {what}")
 write_atomic(snakemake.output[0], {"server": what}, indent=None)
 if "table" in snakemake.output.keys():  # the generation server's stop: all trace shards are done

@@ -15,22 +15,24 @@ from eaglenest.draft.train import train_draft
 from eaglenest.gpus import hold_gpus
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import ServerConfig
+from eaglenest.settings import TrainSettings
 from eaglenest.util import say, usable_threads
 
 # Its own GPUs for this job and the torchrun processes it starts (a SLURM job keeps the scheduler's).
 hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 
-config = {**snakemake.params.train, "norm_before_residual": snakemake.params.norm_before_residual}
-nproc, device = snakemake.params.nproc, snakemake.config["train"]["device"]
+settings = TrainSettings.from_config(snakemake.config)
+config, h = settings.config(), settings.hidden
+nproc, device = snakemake.params.nproc, settings.device
 stream = None
-if snakemake.params.get("stream"):
-    h, server = snakemake.config["hidden"], snakemake.config["server"]
+if h.mode == "stream":
+    server = snakemake.config["server"]
     ready = check_sentinel(snakemake.input.ready, ServerConfig.from_dict(server).api_key())
     stream = {"traces": list(snakemake.input.traces), "url": ready["urls"][0], "model": ready["model"],
               "head": snakemake.input.head, "storage": ready["states_dir"], "server": server,
-              **{k: h[k] for k in ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries", "backoff_base", "backoff_max",
-                                   "max_disk_gb", "cache")},
-              "ahead_tokens": h["stream_ahead"] * config["batch_tokens"],
+              **{k: getattr(h, k) for k in ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries",
+                                            "backoff_base", "backoff_max", "max_disk_gb", "cache")},
+              "ahead_tokens": h.stream_ahead * config["batch_tokens"],
               "cache_dir": str(Path(snakemake.params.state_dir) / "stream_cache")}
 args = dict(hidden=list(snakemake.input.get("hidden", [])), vocab=snakemake.input.vocab, head=snakemake.input.head,
             out=snakemake.output.checkpoint, metrics=snakemake.output.metrics, state_dir=snakemake.params.state_dir,

@@ -166,15 +166,16 @@ def data(tmp_path_factory):
     report and DDP tests (no server, no Snakemake). Tests read these files and write only under their
     own directories."""
     from eaglenest.draft.vocab import build_vocab
+    from eaglenest.settings import DraftSettings, HiddenSettings
     from eaglenest.states.hidden import extract_hidden
     from eaglenest.states.target import save_target_head
 
     root = tmp_path_factory.mktemp("pipeline")
     target = tiny_target(root / "target")
     traces = fake_traces(root / "traces.jsonl", n=24)
-    extract_hidden(traces, root / "hidden" / "shard_0.safetensors", target, max_length=48, progress=False)
-    save_target_head(target, root / "hidden" / "target_head.safetensors")
-    build_vocab(traces, root / "vocab.safetensors", target_vocab_size=100, draft_vocab_size=40)
+    extract_hidden(traces, root / "hidden" / "shard_0.safetensors", HiddenSettings.defaults().replace(target=target, max_length=48), progress=False)
+    save_target_head(root / "hidden" / "target_head.safetensors", HiddenSettings.defaults().replace(target=target))
+    build_vocab(traces, root / "vocab.safetensors", 100, DraftSettings.defaults().replace(vocab_size=40))
     return {
         "hidden_paths": [root / "hidden" / "shard_0.safetensors"],
         "vocab_path": root / "vocab.safetensors",

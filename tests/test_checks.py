@@ -14,6 +14,7 @@ from eaglenest.checks import check_config
 from eaglenest.config import validate_config
 from eaglenest.errors import ConfigError
 from eaglenest.plan import format_plan, make_plan
+from eaglenest.settings import PromptSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
@@ -188,9 +189,7 @@ def test_the_longest_prompt_in_the_chat_template_plus_max_tokens_must_fit_the_co
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = validate_config(toy_config(str(ROOT / "toy/target"), dataset={"path": str(prompts), "heldout": 1},
                                      server={"max_model_len": 512}, generation={"max_tokens": 300}))
-    d = cfg["dataset"]
-    stats = prepare_prompts(str(prompts), tmp_path / "data/prompts", heldout=1, seed=d["seed"], limit=d["limit"],
-                            keep_system=d["keep_system"], max_prompt_chars=d["max_prompt_chars"], progress=False)
+    stats = prepare_prompts(tmp_path / "data/prompts", PromptSettings.from_config(cfg).replace(shards=1), progress=False)
     longest = stats["longest_prompt"]
     assert longest["chars"] == 280 and longest["messages"][0]["content"] == rows[0]["messages"][0]["content"]
     with pytest.raises(ConfigError) as e:

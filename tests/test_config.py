@@ -57,7 +57,6 @@ def test_every_schema_default_reaches_the_code_unchanged():
     key is not given, is exactly the schema's default."""
     import dataclasses
 
-    from eaglenest.data import prompts
     from eaglenest.data import traces
     from eaglenest.draft import train
     from eaglenest.validation import validate
@@ -74,38 +73,23 @@ def test_every_schema_default_reaches_the_code_unchanged():
     # Numbers may come back as floats (0 and 0.0 must fingerprint alike); the values are the same.
     assert traces._generation_settings({}) == resolved["generation"]
     assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
+    shape = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
     assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
-                                        "norm_before_residual": resolved["draft"]["norm_before_residual"]}
+                                        **{k: resolved["draft"][k] for k in shape}}
     # The null defaults fall back to generation's: 0 and its temperature, its top_p.
     assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77,
                                                                  "temperatures": [0.0], "top_p": 1.0}
     assert validate.resolve_settings(resolved["validate"], resolved["generation"])["max_tokens"] == \
         resolved["generation"]["max_tokens"]
-    assert prompts.CACHE_DIR == resolved["dataset"]["cache_dir"]
 
 
-def test_library_keyword_defaults_agree_with_the_schema():
-    """Where a stage's entry point has a keyword of the same name as its config key, its default is
-    the schema's: calling the library without Snakemake gives what the workflow would."""
+def test_library_functions_take_their_stage_settings_instead_of_repeating_defaults():
+    """The stages' entry points have no keyword that repeats a config key (and its default): they take
+    their stage's settings object (the parametrized check of each: tests/test_settings.py)."""
     import inspect
 
-    from eaglenest.states import extract as extract_vllm
-    from eaglenest.states import hidden
     from eaglenest.data import prompts
-    from eaglenest.draft import vocab
     from eaglenest.config import defaults
 
-    # prepare_prompts: one shard and nothing held out are the library's quick call; the workflow
-    # always passes dataset.heldout and shards.
-    checks = [(prompts.prepare_prompts, defaults("dataset"), {"heldout"}),
-              (hidden.extract_hidden, defaults("hidden"), set()),
-              (extract_vllm.extract_hidden_vllm, defaults("hidden"), set()),
-              (vocab.build_vocab, {"use_truncated": defaults("hidden")["use_truncated"],
-                                   "draft_vocab_size": defaults("draft")["vocab_size"]}, set())]
-    compared = 0
-    for fn, section, exempt in checks:
-        for name, param in inspect.signature(fn).parameters.items():
-            if name in section and name not in exempt and param.default is not inspect.Parameter.empty:
-                assert param.default == section[name], f"{fn.__name__}({name}={param.default!r}) vs schema {section[name]!r}"
-                compared += 1
-    assert compared >= 8
+    params = inspect.signature(prompts.prepare_prompts).parameters
+    assert "settings" in params and not set(defaults("dataset")) & set(params)

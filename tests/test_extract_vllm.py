@@ -20,9 +20,11 @@ from safetensors import safe_open
 from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.lifecycle import wait_ready
 from eaglenest.serving.local import LocalPaths, read_pidfile, start_local, stop_local
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, hidden_server_config
 from eaglenest.states.hidden import extract_hidden
 from eaglenest.states.target import save_target_head
+from eaglenest.settings import HiddenSettings
 from tests.support.config import BASE_CONFIG, ROOT, TOY_TARGET
 from tests.support.servers import free_port
 
@@ -100,17 +102,19 @@ def test_extraction_server_stopped_and_per_request_files_gone(vllm_backend_run):
 def server(tmp_path_factory):
     """One extraction server for the fault tests, started like the workflow starts it."""
     wd = tmp_path_factory.mktemp("faults")
-    info = save_target_head(str(TOY_TARGET), wd / "head.safetensors", aux_layers=AUX)
+    facts = save_target_head(wd / "head.safetensors", HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=AUX))
     storage = storage_dir(wd / "states")
     server_cfg = {**BASE_CONFIG["server"], "port": free_port()}
-    cfg = hidden_server_config(server_cfg, {"max_length": 512, "port": free_port()}, info, storage)
+    cfg = hidden_server_config(ServerConfig.from_dict(server_cfg), HiddenSettings.defaults().replace(max_length=512, port=free_port()),
+                               facts, storage)
     paths = LocalPaths(wd / "logs")
     start_local(cfg, paths)
     try:
         wait_ready(cfg, paths)
         traces = _random_traces(wd / "traces.jsonl", N_TRACES)
         ref = wd / "ref.safetensors"
-        extract_hidden([traces], ref, str(TOY_TARGET), aux_layers=AUX, max_length=512, dtype="float32", progress=False)
+        extract_hidden([traces], ref, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=AUX, max_length=512, dtype="float32"),
+                       progress=False)
         yield {"wd": wd, "cfg": cfg, "paths": paths, "storage": storage, "traces": traces, "ref": ref,
                "head": wd / "head.safetensors", "url": cfg.url_at(cfg.port)}
     finally:
@@ -130,8 +134,8 @@ def _random_traces(path, n, seed=0):
 
 
 def _kwargs(s, **over):
-    return {"url": s["url"], "model": "toy", "head_path": s["head"], "storage": s["storage"], "max_length": 512,
-            "concurrency": 8, "progress": False, **over}
+    return {"settings": HiddenSettings.defaults().replace(max_length=512, concurrency=8, **over), "url": s["url"],
+            "model": "toy", "head_path": s["head"], "storage": s["storage"], "progress": False}
 
 
 def _journal_lines(out, n, alive, timeout=600):
@@ -152,10 +156,12 @@ def _finished(journal):
 def test_kill_9_mid_extraction_then_rerun_loses_and_repeats_nothing(server, tmp_path):
     out = tmp_path / "shard_0.safetensors"
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from eaglenest.settings import HiddenSettings\n"
             "from eaglenest.states.extract import extract_hidden_vllm\n"
-            f"extract_hidden_vllm([{str(server['traces'])!r}], {str(out)!r}, url={server['url']!r}, model='toy', "
-            f"head_path={str(server['head'])!r}, storage={str(server['storage'])!r}, max_length=512, "
-            "concurrency=8, progress=False)\n")
+            f"extract_hidden_vllm([{str(server['traces'])!r}], {str(out)!r}, "
+            "HiddenSettings.defaults().replace(max_length=512, concurrency=8), "
+            f"url={server['url']!r}, model='toy', "
+            f"head_path={str(server['head'])!r}, storage={str(server['storage'])!r}, progress=False)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     journal = _journal_lines(out, 100, lambda: proc.poll() is None)
     os.kill(proc.pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ from eaglenest.serving.connector import storage_dir
 from eaglenest.serving.vllm import extraction_server_args, extraction_speculative_config
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm, layer_ids
 from eaglenest.states.target import save_target_head
+from eaglenest.settings import HiddenSettings
 from tests.support.config import TOY_TARGET
 from tests.support.servers import free_port
 
@@ -97,7 +98,7 @@ class StubExtractionServer:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "target_head.safetensors"
-    return path, save_target_head(str(TOY_TARGET), path, aux_layers=[1, 2, 3])
+    return path, save_target_head(path, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=[1, 2, 3]))
 
 
 def _traces(path, n=6):
@@ -108,9 +109,9 @@ def _traces(path, n=6):
 
 
 def _run(tmp_path, head, stub, **kw):
-    return extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors", url=stub.url,
-                               model="toy", head_path=head[0], storage=stub.storage, max_length=64, concurrency=2,
-                               max_retries=0, progress=False, **kw)
+    return extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors",
+                               HiddenSettings.defaults().replace(max_length=64, concurrency=2, max_retries=0),
+                               url=stub.url, model="toy", head_path=head[0], storage=stub.storage, progress=False, **kw)
 
 
 def _refused_then_rerun(tmp_path, head, match, **fault):
@@ -173,7 +174,7 @@ def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypat
 
 def test_server_args_ask_for_aux_plus_final_layer_and_drop_contradicting_flags(head):
     info = head[1]
-    ids = [1, 2, 3, info["num_hidden_layers"]]  # the aux layers, then the final layer (the toy's 28th)
+    ids = [1, 2, 3, info.num_hidden_layers]  # the aux layers, then the final layer (the toy's 28th)
     assert layer_ids(info) == ids
     args = extraction_server_args(layer_ids(info), "/x", ["--enable-prefix-caching", "--trust-remote-code",
                                                "--speculative-config", "{}", "--enable-chunked-prefill"])

@@ -18,6 +18,7 @@ import yaml
 from eaglenest.draft.export import export_draft, load_exported
 from eaglenest.draft.vllm_format import (SPECULATORS_DEFAULTS, draft_config_from_json, draft_to_target_ids,
                                          flat_config, how_to_serve, speculators_config_json)
+from eaglenest.settings import ExportSettings
 from eaglenest.util import save_safetensors
 from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
@@ -42,9 +43,9 @@ def both(data, tmp_path_factory):
     """One small trained checkpoint exported in both formats."""
     out = tmp_path_factory.mktemp("formats")
     run(data, out)
-    export_draft(out / "checkpoint.safetensors", out / "vllm", speculators_dir=out / "speculators",
-                 card={"target": "org/tiny-target", "dataset": "org/prompts", "license": "apache-2.0"},
-                 verifier="org/tiny-target", k=4)
+    settings = ExportSettings.defaults().replace(verifier="org/tiny-target", k=4)
+    export_draft(out / "checkpoint.safetensors", out / "vllm", settings, speculators_dir=out / "speculators",
+                 card={"target": "org/tiny-target", "dataset": "org/prompts", "license": "apache-2.0"})
     return out
 
 

@@ -9,6 +9,7 @@ from eaglenest.vllm_facts import default_aux_layers
 from eaglenest.states import hidden
 from eaglenest.states.hidden import DiskSpaceError, HiddenShards, extract_hidden
 from eaglenest.states.target import load_target_head, save_target_head
+from eaglenest.settings import HiddenSettings
 from tests.support.tiny_target import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target
 
 def read_records(path):
@@ -26,7 +27,8 @@ def test_aux_layers_are_transformers_hidden_states_at_vllm_ids(target, tmp_path,
 
     traces = fake_traces(tmp_path / "shard_0.jsonl")
     out = tmp_path / "hidden" / "shard_0.safetensors"
-    stats = extract_hidden([traces], out, target, aux_layers=aux_layers, dtype="float32", batch_tokens=64, progress=False)
+    stats = extract_hidden([traces], out, HiddenSettings.defaults().replace(target=target, aux_layers=aux_layers, dtype="float32", batch_tokens=64),
+                           progress=False)
     ids_expected = list(aux_layers or default_aux_layers(LAYERS))
     assert stats["aux_layers"] == ids_expected
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -57,7 +59,7 @@ def test_loss_mask_truncation_and_order(target, tmp_path):
     records = read_records(traces)
     out = tmp_path / "shard.safetensors"
     max_length = 20
-    stats = extract_hidden(traces, out, target, max_length=max_length, use_truncated=False, progress=False)
+    stats = extract_hidden(traces, out, HiddenSettings.defaults().replace(target=target, max_length=max_length, use_truncated=False), progress=False)
     kept = [r for r in records if not r["truncated"] and len(r["prompt_token_ids"]) < max_length]
     assert stats["skipped_truncated"] == sum(r["truncated"] for r in records) == 4
     shards = HiddenShards(out)
@@ -77,7 +79,7 @@ def test_shard_is_plain_safetensors_of_the_estimated_size(target, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "shard.safetensors"
-    stats = extract_hidden(fake_traces(tmp_path / "t.jsonl"), out, target, progress=False)
+    stats = extract_hidden(fake_traces(tmp_path / "t.jsonl"), out, HiddenSettings.defaults().replace(target=target), progress=False)
     tensors = load_file(str(out))  # full validation by the reference reader
     T = stats["tokens"]
     assert tensors["aux_hidden"].shape == (T, 3 * HIDDEN) and tensors["aux_hidden"].dtype == torch.bfloat16
@@ -102,7 +104,7 @@ def without_target_next(shard, out):
 
 def test_a_shard_from_before_target_next_is_read_without_it(target, tmp_path):
     new = tmp_path / "new.safetensors"
-    extract_hidden(fake_traces(tmp_path / "t.jsonl"), new, target, progress=False)
+    extract_hidden(fake_traces(tmp_path / "t.jsonl"), new, HiddenSettings.defaults().replace(target=target), progress=False)
     old = without_target_next(new, tmp_path / "old.safetensors")
     assert HiddenShards(new).without_target_next == [] and "target_next" in HiddenShards(new)[0]
     both = HiddenShards([new, old])
@@ -117,7 +119,7 @@ def test_refuses_when_disk_is_short(target, tmp_path, monkeypatch):
     monkeypatch.setattr(hidden, "load_target", lambda *a, **k: pytest.fail("loaded the target before checking the disk"))
     out = tmp_path / "hidden" / "shard_0.safetensors"
     with pytest.raises(DiskSpaceError) as err:
-        extract_hidden(traces, out, target, progress=False)
+        extract_hidden(traces, out, HiddenSettings.defaults().replace(target=target), progress=False)
     message = str(err.value)
     assert str(out) in message and "1,000 bytes" in message and "needs" in message
     assert not out.exists()
@@ -127,7 +129,7 @@ def test_target_head_saved_once_from_the_checkpoint(target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     head_path = tmp_path / "target_head.safetensors"
-    info = save_target_head(target, head_path, aux_layers=[0, 1, 3])
+    info = save_target_head(head_path, HiddenSettings.defaults().replace(target=target, aux_layers=[0, 1, 3])).to_dict()
     tensors, saved = load_target_head(head_path)
     assert saved == json.loads(json.dumps(info)) and saved["aux_layers"] == [0, 1, 3]
     assert saved["hidden_size"] == HIDDEN and saved["vocab_size"] == VOCAB and saved["num_hidden_layers"] == LAYERS
@@ -154,7 +156,7 @@ def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, m
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
     head_path = tmp_path / "target_head.safetensors"
-    save_target_head("org/tiny", head_path, aux_layers=[0, 1, 3])
+    save_target_head(head_path, HiddenSettings.defaults().replace(target="org/tiny", aux_layers=[0, 1, 3]))
     tensors, saved = load_target_head(head_path)
     reference, _ = load_target_head(_saved_head(target, tmp_path / "ref.safetensors"))
     assert saved["target"] == "org/tiny"
@@ -163,7 +165,7 @@ def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, m
 
 
 def _saved_head(target, path):
-    save_target_head(target, path, aux_layers=[0, 1, 3])
+    save_target_head(path, HiddenSettings.defaults().replace(target=target, aux_layers=[0, 1, 3]))
     return path
 
 
@@ -220,7 +222,7 @@ def test_a_multimodal_wrappers_head_is_read_by_name_without_building_the_model(t
 
     tensors = _kimi_like_checkpoint(tmp_path / "kimi")
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
-    info = save_target_head(str(tmp_path / "kimi"), tmp_path / "head.safetensors", allow_load=False)
+    info = save_target_head(tmp_path / "head.safetensors", HiddenSettings.defaults().replace(target=str(tmp_path / "kimi"))).to_dict()
     head, saved = load_target_head(tmp_path / "head.safetensors")
     assert torch.equal(head["embed_tokens.weight"], tensors["language_model.model.embed_tokens.weight"])
     assert torch.equal(head["norm.weight"], tensors["language_model.model.norm.weight"])
@@ -235,6 +237,6 @@ def test_a_head_that_is_not_found_is_refused_rather_than_loading_the_whole_targe
     _kimi_like_checkpoint(tmp_path / "kimi", lm_head=False)  # untied, and no lm_head tensor
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
     with pytest.raises(ValueError) as err:
-        save_target_head(str(tmp_path / "kimi"), tmp_path / "head.safetensors", allow_load=False)
+        save_target_head(tmp_path / "head.safetensors", HiddenSettings.defaults().replace(target=str(tmp_path / "kimi")))
     assert "lm_head" in str(err.value) and "hidden.backend transformers" in str(err.value)
     assert not (tmp_path / "head.safetensors").exists()

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eaglenest.data.prompts import REASONS, PromptsError, RowError, extract_messages, prepare_prompts, prompt_id
+from eaglenest.settings import PromptSettings
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +65,14 @@ def questions(records):
     return [r["messages"][-1]["content"] for r in records]
 
 
+def quick(path, **kw) -> PromptSettings:
+    """The library's quick call: one shard and nothing held out, unless ``kw`` says otherwise."""
+    return PromptSettings.defaults().replace(path=str(path), **{"shards": 1, "heldout": 0, **kw})
+
+
 def run(tmp_path, rows, name="d.jsonl", out="out", **kw):
     path = write(tmp_path / name, rows)
-    stats = prepare_prompts(path, tmp_path / out, progress=False, **kw)
+    stats = prepare_prompts(tmp_path / out, quick(path, **kw), progress=False)
     return stats, *read_out(tmp_path / out)[:2]
 
 
@@ -90,7 +96,7 @@ def test_every_format_from_every_file_type(tmp_path, fmt, ext):
 
 def test_source_defaults_to_dataset_name(tmp_path):
     path = write(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b", "source": ""}])
-    prepare_prompts(path, tmp_path / "out", progress=False)
+    prepare_prompts(tmp_path / "out", quick(path), progress=False)
     shards, _, _ = read_out(tmp_path / "out")
     assert {r["source"] for r in shards[0]} == {path}
 
@@ -99,18 +105,18 @@ def test_directory_of_files_and_gz(tmp_path):
     write(tmp_path / "data" / "a.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
     write(tmp_path / "data" / "b.jsonl.gz", [{"prompt": "three"}])
     (tmp_path / "data" / "README.md").write_text("not data")
-    stats = prepare_prompts(str(tmp_path / "data"), tmp_path / "out", progress=False)
+    stats = prepare_prompts(tmp_path / "out", quick(str(tmp_path / "data")), progress=False)
     assert stats["rows_read"] == 3 and stats["train"] == 3
     # A cloned hub repo keeps its files one level down.
     write(tmp_path / "repo" / "data" / "train-0.parquet", [{"question": "q"}])
-    assert prepare_prompts(str(tmp_path / "repo"), tmp_path / "out2", progress=False)["train"] == 1
+    assert prepare_prompts(tmp_path / "out2", quick(str(tmp_path / "repo")), progress=False)["train"] == 1
 
 
 def test_directory_mixing_file_types_is_refused(tmp_path):
     write(tmp_path / "data" / "a.jsonl", [{"prompt": "one"}])
     write(tmp_path / "data" / "b.parquet", [{"prompt": "two"}])
     with pytest.raises(PromptsError, match="mixes file types"):
-        prepare_prompts(str(tmp_path / "data"), tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(str(tmp_path / "data")), progress=False)
 
 
 def test_path_with_glob_characters(tmp_path):
@@ -127,8 +133,8 @@ def test_hub_name_goes_to_load_dataset_with_split(tmp_path, monkeypatch):
         calls.append((path, kw))
         return datasets.Dataset.from_list([{"conversations": sharegpt("hub q")["conversations"], "x": 1}])
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    stats = prepare_prompts("mlabonne/open-perfectblend", tmp_path / "out", split="test", progress=False,
-                            cache_dir=str(tmp_path / "cache"))
+    stats = prepare_prompts(tmp_path / "out", quick("mlabonne/open-perfectblend", split="test",
+                                                    cache_dir=str(tmp_path / "cache")), progress=False)
     assert calls == [("mlabonne/open-perfectblend", {"split": "test", "cache_dir": str(tmp_path / "cache")})]
     assert stats["split"] == "test" and stats["train"] == 1
     shards, _, _ = read_out(tmp_path / "out")
@@ -148,7 +154,7 @@ def test_evaluation_set_shapes_and_a_hub_subset(tmp_path, monkeypatch):
         calls.append((path, kw))
         return datasets.Dataset.from_list([{"question": "q?", "answer": "a"}])
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    prepare_prompts("openai/gsm8k", tmp_path / "out", split="test", subset="main", progress=False, cache_dir=None)
+    prepare_prompts(tmp_path / "out", quick("openai/gsm8k", split="test", cache_dir=None), subset="main", progress=False)
     assert calls == [("openai/gsm8k", {"name": "main", "split": "test", "cache_dir": None})]
 
 
@@ -159,7 +165,7 @@ def test_hub_failure_is_a_prompts_error(tmp_path, monkeypatch):
         raise ConnectionError(f"Couldn't reach '{path}' on the Hub")
     monkeypatch.setattr(datasets, "load_dataset", fake)
     with pytest.raises(PromptsError, match="someone/data.*Couldn't reach"):
-        prepare_prompts("someone/data", tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick("someone/data"), progress=False)
 
 
 # --- bad rows ---------------------------------------------------------------------------------
@@ -256,7 +262,7 @@ def test_bad_rows_in_a_file_are_counted_not_fatal(tmp_path, ext):
 def test_lines_that_are_not_json_fall_back_to_the_json_module(tmp_path, capsys):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "good"}\nnot json at all\n[1, 2]\n\n{"prompt": "also good"}\n{"prompt": 5}\n')
-    stats = prepare_prompts(str(path), tmp_path / "out", progress=False)
+    stats = prepare_prompts(tmp_path / "out", quick(str(path)), progress=False)
     assert stats["rows_read"] == 5 and stats["kept"] == 2
     assert stats["dropped"]["malformed"] == 2 and stats["dropped"]["non_string"] == 1
     assert "json module" in capsys.readouterr().err
@@ -265,7 +271,7 @@ def test_lines_that_are_not_json_fall_back_to_the_json_module(tmp_path, capsys):
 def test_csv_empty_cells_and_parquet_nulls_are_empty(tmp_path):
     path = tmp_path / "d.csv"
     path.write_text('prompt,source\nhello,a\n"",b\n   ,c\n,d\n')
-    stats = prepare_prompts(str(path), tmp_path / "out", progress=False)
+    stats = prepare_prompts(tmp_path / "out", quick(str(path)), progress=False)
     assert stats["kept"] == 1 and stats["dropped"]["empty"] == 3
     stats, _, _ = run(tmp_path, [{"prompt": "x"}, {"prompt": None}], name="d.parquet", out="out2")
     assert stats["dropped"]["empty"] == 1
@@ -274,7 +280,7 @@ def test_csv_empty_cells_and_parquet_nulls_are_empty(tmp_path):
 def test_csv_conversations_written_by_pandas_repr(tmp_path):
     import pandas as pd
     pd.DataFrame([sharegpt("from repr"), {"conversations": "[unparseable"}]).to_csv(tmp_path / "d.csv", index=False)
-    stats = prepare_prompts(str(tmp_path / "d.csv"), tmp_path / "out", progress=False)
+    stats = prepare_prompts(tmp_path / "out", quick(str(tmp_path / "d.csv")), progress=False)
     assert stats["kept"] == 1 and stats["dropped"]["malformed"] == 1
 
 
@@ -309,8 +315,8 @@ def placement(out):
 
 def test_ids_and_shards_stable_when_limit_shards_heldout_change(tmp_path):
     path = write(tmp_path / "d.jsonl", many(200))
-    prepare_prompts(path, tmp_path / "a", shards=4, limit=50, heldout=10, progress=False)
-    prepare_prompts(path, tmp_path / "b", shards=4, limit=120, heldout=10, progress=False)
+    prepare_prompts(tmp_path / "a", quick(path, shards=4, limit=50, heldout=10), progress=False)
+    prepare_prompts(tmp_path / "b", quick(path, shards=4, limit=120, heldout=10), progress=False)
     a, held_a = placement(tmp_path / "a")
     b, held_b = placement(tmp_path / "b")
     assert len(a) == 50 and len(b) == 120 and set(a) <= set(b)
@@ -321,7 +327,7 @@ def test_ids_and_shards_stable_when_limit_shards_heldout_change(tmp_path):
     assert all(sb[k][:len(sa[k])] == sa[k] for k in range(4))
     assert held_a == held_b
     # Another shard count or held-out size: a prompt keeps its id and content; shard = id mod shards.
-    prepare_prompts(path, tmp_path / "c", shards=3, heldout=25, progress=False)
+    prepare_prompts(tmp_path / "c", quick(path, shards=3, heldout=25), progress=False)
     c, held_c = placement(tmp_path / "c")
     assert all(c[i][1] == a[i][1] and c[i][0] == int(i, 16) % 3 for i in set(a) & set(c))
     assert held_c[:10] == held_a  # the held-out set grows from its front, like the training set
@@ -383,39 +389,39 @@ def test_missing_local_path_names_it_and_skips_the_hub(tmp_path, monkeypatch, mi
     import datasets
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("went to load_dataset"))
     with pytest.raises(PromptsError, match="no such file") as info:
-        prepare_prompts(missing, tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(missing), progress=False)
     assert repr(missing) in str(info.value)
 
 
 def test_no_usable_column_names_the_columns(tmp_path):
     path = write(tmp_path / "d.jsonl", [{"text": "hello", "label": 1}])
     with pytest.raises(PromptsError, match=r"d\.jsonl.*\['text', 'label'\]"):
-        prepare_prompts(path, tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(path), progress=False)
 
 
 def test_all_rows_dropped_says_why(tmp_path):
     path = write(tmp_path / "d.jsonl", [{"prompt": ""}, {"prompt": "  "}, {"prompt": 3}])
     with pytest.raises(PromptsError, match=r"all 3 rows were dropped.*2 empty.*1 non_string"):
-        prepare_prompts(path, tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(path), progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_empty_file_and_unreadable_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")  # datasets raises a bare StopIteration on this
     with pytest.raises(PromptsError, match="no rows"):
-        prepare_prompts(str(tmp_path / "empty.jsonl"), tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(str(tmp_path / "empty.jsonl")), progress=False)
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(PromptsError, match="bad.parquet"):
-        prepare_prompts(str(tmp_path / "bad.parquet"), tmp_path / "out", progress=False)
+        prepare_prompts(tmp_path / "out", quick(str(tmp_path / "bad.parquet")), progress=False)
 
 
 def test_heldout_taking_everything_and_bad_arguments(tmp_path):
     path = write(tmp_path / "d.jsonl", many(3))
     with pytest.raises(PromptsError, match="heldout=3"):
-        prepare_prompts(path, tmp_path / "out", heldout=3, progress=False)
+        prepare_prompts(tmp_path / "out", quick(path, heldout=3), progress=False)
     for kw in ({"shards": 0}, {"limit": 0}, {"heldout": -1}):
         with pytest.raises(PromptsError):
-            prepare_prompts(path, tmp_path / "out", progress=False, **kw)
+            prepare_prompts(tmp_path / "out", quick(path, **kw), progress=False)
 
 
 def test_datasets_cache_goes_where_the_config_says_not_to_the_home_cache(tmp_path, monkeypatch):
@@ -427,10 +433,10 @@ def test_datasets_cache_goes_where_the_config_says_not_to_the_home_cache(tmp_pat
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
-    prepare_prompts(str(path), tmp_path / "a", progress=False)  # the default: data/.hf_cache here
-    prepare_prompts(str(path), tmp_path / "b", progress=False, cache_dir=str(tmp_path / "mine"))
+    prepare_prompts(tmp_path / "a", quick(str(path)), progress=False)  # the default: data/.hf_cache here
+    prepare_prompts(tmp_path / "b", quick(str(path), cache_dir=str(tmp_path / "mine")), progress=False)
     assert any((tmp_path / "data" / ".hf_cache").rglob("*.arrow"))
     assert any((tmp_path / "mine").rglob("*.arrow"))
     assert not home_cache.exists()
-    prepare_prompts(str(path), tmp_path / "c", progress=False, cache_dir=None)  # None: datasets' own default
+    prepare_prompts(tmp_path / "c", quick(str(path), cache_dir=None), progress=False)  # None: datasets' own default
     assert any(home_cache.rglob("*.arrow"))  # (so the assertion above could fail)

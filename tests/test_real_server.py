@@ -18,6 +18,7 @@ from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
 from eaglenest.serving.probe import is_serving
+from eaglenest.settings import QuestionSettings
 from tests.support.config import BASE_CONFIG, TOY_TARGET, write_config
 from tests.support.workflow import read_lines, run_snakemake
 
@@ -94,10 +95,9 @@ def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_lef
     out.with_name(out.name + ".partial").write_text(
         json.dumps({"i": 0, "text": planted, "finish_reason": "stop"}) + "\n"
         + json.dumps({"i": 1, "text": "cut at max_tokens", "finish_reason": "length"}) + "\n" + '{"i": 2, "te')
-    settings = dict(url=f"http://127.0.0.1:{cfg.port}", model=cfg.model_id, tokenizer=tok, max_tokens=48,
-                    min_chars=4, concurrency=8, progress=False)
-    stats = write_questions(out, questions=12, exclude=["What is the PLANTED question  left by the crash?"],
-                            **settings)
+    settings = dict(url=f"http://127.0.0.1:{cfg.port}", model=cfg.model_id, tokenizer=tok, progress=False)
+    twelve = QuestionSettings.defaults().replace(questions=12, max_tokens=48, min_chars=4, concurrency=8)
+    stats = write_questions(out, twelve, exclude=["What is the PLANTED question  left by the crash?"], **settings)
     rows = read_lines(out)
     texts = [r["messages"][0]["content"] for r in rows]
     assert len(rows) == stats["questions"] == 12, stats
@@ -111,7 +111,7 @@ def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_lef
     # Without the exclusion the planted answer is a question, and the seeds ask the same again: same set.
     again = tmp_path / "again.jsonl"
     again.with_name(again.name + ".partial").write_text(json.dumps({"i": 0, "text": planted, "finish_reason": "stop"}) + "\n")
-    write_questions(again, questions=12, **settings)
+    write_questions(again, twelve, **settings)
     assert planted in [r["messages"][0]["content"] for r in read_lines(again)]
 
 

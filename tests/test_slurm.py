@@ -169,7 +169,7 @@ def test_start_and_stop_server_dispatch_to_slurm_with_the_one_launch_environment
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.chdir(tmp_path)  # the job's name comes from the working directory
     cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
-    cfg.slurm = dataclasses.asdict(settings)
+    cfg = dataclasses.replace(cfg, slurm=dataclasses.asdict(settings))
     ready = start_server(cfg, paths.log_dir, log=lambda m: None)
     assert ready["mode"] == "slurm" and ready["model"] == "toy"
     log_text = Path(read_record(paths)["log"]).read_text()
@@ -181,7 +181,7 @@ def test_start_and_stop_server_dispatch_to_slurm_with_the_one_launch_environment
 def test_changed_settings_replace_the_job(tmp_path, fake_vllm, cluster, monkeypatch):
     cfg, settings, paths = _server(tmp_path, fake_vllm, cluster, monkeypatch)
     old = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
-    cfg.max_model_len = 256
+    cfg = dataclasses.replace(cfg, max_model_len=256)
     new = submit_server(cfg, settings, paths, workdir=tmp_path, log=lambda m: None)["job_id"]
     assert new != old
     assert _wait_gone(old)["state"] == "CANCELLED"

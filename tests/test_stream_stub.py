@@ -20,6 +20,7 @@ from eaglenest.draft.vocab import build_vocab
 from eaglenest.serving.connector import storage_dir
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm
 from eaglenest.states.target import save_target_head
+from eaglenest.settings import DraftSettings, HiddenSettings
 from tests.support.config import TOY_TARGET
 from tests.support.servers import free_port
 from tests.test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
@@ -64,10 +65,10 @@ def data(tmp_path_factory):
                 f.write(json.dumps({"id": f"s{s}-{i}", "prompt_token_ids": prompt, "completion_token_ids": completion}) + "\n")
         traces.append(path)
     head = root / "target_head.safetensors"
-    save_target_head(str(TOY_TARGET), head, aux_layers=[1, 2, 3])
+    save_target_head(head, HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=[1, 2, 3]))
     vocab = root / "vocab.safetensors"
-    build_vocab(traces, vocab, target_vocab_size=json.loads(head.with_suffix(".json").read_text())["vocab_size"],
-                draft_vocab_size=40)
+    build_vocab(traces, vocab, json.loads(head.with_suffix(".json").read_text())["vocab_size"],
+                DraftSettings.defaults().replace(vocab_size=40))
     return {"root": root, "traces": traces, "head": head, "vocab": vocab}
 
 
@@ -92,8 +93,9 @@ def files_run(data, tmp_path_factory):
         shards = []
         for s, traces in enumerate(data["traces"]):
             shards.append(out / f"shard_{s}.safetensors")
-            extract_hidden_vllm([traces], shards[-1], url=stub.url, model="toy", head_path=data["head"], storage=storage,
-                                max_length=64, concurrency=3, max_retries=0, progress=False)
+            extract_hidden_vllm([traces], shards[-1], HiddenSettings.defaults().replace(max_length=64, concurrency=3,
+                                                                                        max_retries=0),
+                                url=stub.url, model="toy", head_path=data["head"], storage=storage, progress=False)
     _train(data, out, hidden=shards)
     return out, sum(p.stat().st_size for p in shards)
 

@@ -5,6 +5,7 @@ demand). Fast: no vLLM."""
 import json
 import pytest
 
+from eaglenest.settings import ValidateSettings
 from eaglenest.vllm_facts import acceptance, spec_counters
 from eaglenest.validation import validate
 from eaglenest.validation.validate import counter_delta
@@ -169,9 +170,10 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
     server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
-    report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", server=server,
-                              generation={"max_tokens": 8}, validate={"temperatures": [0, 1.0]},
-                              hidden_backend="vllm", log=lambda m: None)
+    settings = ValidateSettings.defaults().replace(server=server, generation={"max_tokens": 8}, target=server["model"],
+                                                   validate={"temperatures": [0, 1.0]}, hidden_backend="vllm")
+    report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
+                              log=lambda m: None)
     assert order == ["eagle3", "ngram", "baseline"]
     assert sum(scored) == 3 * 2 * 3, "every run's two cells of three outputs, scored on the target-alone server"
     assert "skipped" in report["offline"] and "acceptance_length" not in report["offline"]

@@ -10,7 +10,9 @@ from eaglenest.draft import vllm_format as draft_format
 from eaglenest.draft.vllm_format import how_to_serve, serve_line
 from eaglenest.serving.vllm import NO_CHUNKED_PREFILL, chunked_prefill_allowed, extraction_server_args
 from eaglenest.states import extract as extract_vllm
-from eaglenest.states.target import target_info
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.settings import HiddenSettings
+from eaglenest.states.target import TargetFacts, target_info
 from eaglenest.vllm_facts import check_aux_layers, supported_version_note, version_at_least, vllm_version
 
 
@@ -95,12 +97,16 @@ def test_chunked_prefill_stays_on_where_the_release_allows(version, off):
 def test_the_extraction_server_takes_the_installed_release(monkeypatch):
     seen = []
     monkeypatch.setattr(extract_vllm, "vllm_version", lambda python: seen.append(python) or "0.34.0")
-    server = {"model": "toy/target", "python": "/opt/vllm/bin/python"}
-    info = {"aux_layers": [1, 2, 3], "num_hidden_layers": 4}
-    cfg = extract_vllm.hidden_server_config(server, {"max_length": 64}, info, "/x")
+    server = ServerConfig(model="toy/target", python="/opt/vllm/bin/python")
+    facts = TargetFacts(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8, intermediate_size=16,
+                        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
+                        rms_norm_eps=1e-6, rope_parameters={}, max_position_embeddings=64, aux_layers=[1, 2, 3],
+                        last_hidden="post_norm", target="toy/target")
+    hidden = HiddenSettings.defaults().replace(max_length=64)
+    cfg = extract_vllm.hidden_server_config(server, hidden, facts, "/x")
     assert seen == ["/opt/vllm/bin/python"] and NO_CHUNKED_PREFILL not in cfg.extra_args
     monkeypatch.setattr(extract_vllm, "vllm_version", lambda python: "0.32.0")
-    assert NO_CHUNKED_PREFILL in extract_vllm.hidden_server_config(server, {"max_length": 64}, info, "/x").extra_args
+    assert NO_CHUNKED_PREFILL in extract_vllm.hidden_server_config(server, hidden, facts, "/x").extra_args
 
 
 @pytest.mark.parametrize("architectures, model_type", [

@@ -7,6 +7,7 @@ import torch
 
 from eaglenest.draft.vllm_format import draft_to_target_ids
 from eaglenest.draft.vocab import build_vocab, load_vocab, maps_from_ids, select_vocab
+from eaglenest.settings import DraftSettings
 
 
 def write_traces(path, completions, truncated=()):
@@ -20,7 +21,7 @@ def write_traces(path, completions, truncated=()):
 def test_top_tokens_ties_to_lower_id_ascending_draft_ids(tmp_path):
     # counts: 7 -> 3, 5 -> 2, 9 -> 2, 2 -> 1, 8 -> 1; prompt tokens (0) are not counted
     traces = write_traces(tmp_path / "t.jsonl", [[7, 5, 9], [7, 7, 9, 5], [2, 8]])
-    stats = build_vocab([traces], tmp_path / "vocab.safetensors", target_vocab_size=12, draft_vocab_size=4)
+    stats = build_vocab([traces], tmp_path / "vocab.safetensors", 12, DraftSettings.defaults().replace(vocab_size=4))
     d2t, t2d = load_vocab(tmp_path / "vocab.safetensors")
     assert draft_to_target_ids(d2t).tolist() == [2, 5, 7, 9]  # 2 beats 8 on the tie: lower id
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and len(t2d) == 12
@@ -31,7 +32,7 @@ def test_top_tokens_ties_to_lower_id_ascending_draft_ids(tmp_path):
 
 def test_round_trip_and_cap_at_target_vocab(tmp_path):
     traces = write_traces(tmp_path / "t.jsonl", [[1, 1, 3], [4]])
-    stats = build_vocab(traces, tmp_path / "v.safetensors", target_vocab_size=6, draft_vocab_size=32000)
+    stats = build_vocab(traces, tmp_path / "v.safetensors", 6, DraftSettings.defaults().replace(vocab_size=32000))
     d2t, t2d = load_vocab(tmp_path / "v.safetensors")
     assert stats["draft_vocab_size"] == 6 and t2d.all() and not d2t.any()  # the whole vocab: identity
     ids = select_vocab(torch.tensor([5, 0, 5, 9, 0, 1]).numpy(), 3)
@@ -44,9 +45,9 @@ def test_round_trip_and_cap_at_target_vocab(tmp_path):
 
 def test_use_truncated_and_bad_ids(tmp_path):
     traces = write_traces(tmp_path / "t.jsonl", [[1], [2, 2, 2]], truncated={1})
-    build_vocab(traces, tmp_path / "v.safetensors", target_vocab_size=5, draft_vocab_size=1, use_truncated=False)
+    build_vocab(traces, tmp_path / "v.safetensors", 5, DraftSettings.defaults().replace(vocab_size=1, use_truncated=False))
     assert draft_to_target_ids(load_vocab(tmp_path / "v.safetensors")[0]).tolist() == [1]
-    build_vocab(traces, tmp_path / "v.safetensors", target_vocab_size=5, draft_vocab_size=1, use_truncated=True)
+    build_vocab(traces, tmp_path / "v.safetensors", 5, DraftSettings.defaults().replace(vocab_size=1, use_truncated=True))
     assert draft_to_target_ids(load_vocab(tmp_path / "v.safetensors")[0]).tolist() == [2]
     with pytest.raises(ValueError, match="outside the target vocabulary"):
-        build_vocab(traces, tmp_path / "v.safetensors", target_vocab_size=2)
+        build_vocab(traces, tmp_path / "v.safetensors", 2)

@@ -26,17 +26,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..config import defaults
 from ..errors import PromptsError, RowError, TracesError
+# Where dataset.generate writes the target's own questions, and the dataset prepare_prompts reads: both
+# live with the stage's settings (re-exported here for the rules, the plan and data.questions).
+from ..settings import QUESTIONS_FILE, PromptSettings, dataset_path  # noqa: F401
 from ..util import is_local_path, progress_bar, say, write_atomic
-
-# Where dataset.generate writes the target's own questions (eaglenest.data.questions); prepare_prompts reads them.
-QUESTIONS_FILE = "data/questions.jsonl"
-
-
-def dataset_path(config: dict) -> str:
-    """The dataset prepare_prompts reads: the target's own questions when dataset.generate asks for them."""
-    return QUESTIONS_FILE if config["dataset"]["generate"]["questions"] else config["dataset"]["path"]
 
 
 # Drop reasons, in the order the summary lists them.
@@ -68,7 +62,6 @@ EXTENSIONS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz"
               ".parquet": "parquet", ".csv": "csv"}
 
 PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
-CACHE_DIR = defaults("dataset")["cache_dir"]
 
 
 
@@ -396,20 +389,20 @@ def _write_shards(out: Path, train, held, shards: int) -> list[list[str]]:
     return by_shard
 
 
-def prepare_prompts(path: str, out_dir, *, shards: int = 1, split: str = "train", limit: int | None = None,
-                    heldout: int = 0, seed: int = 0, keep_system: bool = False,
-                    max_prompt_chars: int = 32000, cache_dir: str | None = CACHE_DIR,
-                    progress: bool = True, subset: str | None = None) -> dict:
+def prepare_prompts(out_dir, settings: PromptSettings | None = None, *, progress: bool = True,
+                    subset: str | None = None) -> dict:
     """Write out_dir/shard_{i}.jsonl, heldout.jsonl and stats.json from a dataset; return the stats.
 
-    path is a local file (.jsonl, .jsonl.gz, .json, .parquet, .csv), a directory of such files, or a
-    Hugging Face hub dataset name (loaded with `split`, and `subset`: the dataset's configuration,
-    e.g. "main" for openai/gsm8k). `cache_dir`: where `datasets` keeps its Arrow
-    copy and hub downloads (default: data/.hf_cache under the working directory; None: datasets' own
-    default, ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
+    ``settings`` (None: the schema's defaults): ``path`` is a local file (.jsonl, .jsonl.gz, .json,
+    .parquet, .csv), a directory of such files, or a Hugging Face hub dataset name (loaded with `split`,
+    and `subset`: the dataset's configuration, e.g. "main" for openai/gsm8k). `cache_dir`: where
+    `datasets` keeps its Arrow copy and hub downloads (None: datasets' own default,
+    ~/.cache/huggingface/datasets or $HF_DATASETS_CACHE). Bad rows are dropped and counted by reason;
     PromptsError when the dataset cannot be read, has no question column, or no row survives.
     """
-    path = str(path)
+    s = settings or PromptSettings.defaults()
+    path, shards, split, limit, heldout, seed = str(s.path), s.shards, s.split, s.limit, s.heldout, s.seed
+    keep_system, max_prompt_chars, cache_dir = s.keep_system, s.max_prompt_chars, s.cache_dir
     _check_sizes(shards, limit, heldout)
     rows, n_rows, fmt = _open_dataset(path, split, cache_dir, subset, progress)
     ordered, kept, dropped, examples = _select(rows, n_rows, fmt, path, keep_system=keep_system, max_prompt_chars=max_prompt_chars,

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from ..errors import TracesError
+from ..settings import QuestionSettings
 from ..serving.client import CONNECTION_ERRORS, RETRY_STATUSES, RetryPolicy, auth_hint, describe_client_error, \
     open_session, run_workers
 from ..util import progress_bar, say, write_atomic
@@ -49,11 +50,15 @@ def fold(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def write_questions(output, *, url, model, tokenizer, questions, max_tokens, temperature=1.0, top_p=1.0,
-                    min_chars=12, seed=0, concurrency=64, request_timeout=300.0, retry=None, exclude=(),
+def write_questions(output, settings: QuestionSettings | None = None, *, url, model, tokenizer, exclude=(),
                     api_key=None, progress=True) -> dict:
-    """Write ``questions`` distinct questions by the target at ``url`` to ``output`` (JSON lines of
-    ``{"id", "source", "messages"}``, prepare_prompts' format); return the statistics."""
+    """Write ``settings.questions`` distinct questions by the target at ``url`` to ``output`` (JSON lines of
+    ``{"id", "source", "messages"}``, prepare_prompts' format); return the statistics. ``settings``: the
+    sampling, the client's concurrency, timeout and retries (None: the schema's defaults)."""
+    s = settings or QuestionSettings.defaults()
+    questions, max_tokens, temperature, top_p, min_chars, seed = \
+        s.questions, s.max_tokens, s.temperature, s.top_p, s.min_chars, s.seed
+    concurrency, request_timeout, retry = s.concurrency, s.request_timeout, RetryPolicy.from_settings(s.retry())
     output = Path(output)
     partial = output.with_name(output.name + ".partial")
     prefix, stop_ids = user_turn(tokenizer)
@@ -63,7 +68,6 @@ def write_questions(output, *, url, model, tokenizer, questions, max_tokens, tem
     answers = _read_partial(partial)
     excluded = {fold(t) for t in exclude}
     budget = ATTEMPTS_PER_QUESTION * questions
-    retry = retry or RetryPolicy(max_retries=3)
 
     def kept():
         seen, rows, drops = set(), [], {"cut": 0, "short": 0, "duplicate": 0, "in_eval_set": 0}

@@ -31,6 +31,7 @@ from ..errors import ServerError, TracesError
 from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT, RETRY_STATUSES, RetryPolicy,
                               auth_hint, describe_client_error, open_session, run_workers)
 from ..serving.probe import describe_os_error, probe
+from ..settings import GenerationSettings
 from ..util import progress_bar, say, write_atomic
 from ..vllm_facts import reasoning_of
 from .prompts import read_prompt_shard
@@ -41,9 +42,9 @@ __all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "f
 
 # The `generation:` section of the config; its keys and defaults are the schema's (the only place).
 GENERATION_DEFAULTS = defaults("generation")
-# The settings that change the answers; they, and only they, name the partial file, and a change to
-# one of them reruns the traces (rules/common.smk reads this list too).
-ANSWER_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "chat_template_kwargs", "extra_body")
+# The settings that change the answers (GenerationSettings' fingerprint, less the model): they, and only
+# they, name the partial file, as a change to one of them reruns the traces.
+ANSWER_SETTINGS = tuple(k for k in GenerationSettings.defaults().fingerprint() if k != "model")
 ERROR_BODY_CHARS = 2000
 
 

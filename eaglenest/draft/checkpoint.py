@@ -5,16 +5,14 @@ importing the trainer."""
 
 import json
 
-from ..config import defaults
+from ..settings import DraftSettings, TrainSettings
 from ..util import save_safetensors
 from .config import DraftConfig
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
-# The schema's `train:` keys (less where the job runs) and draft.norm_before_residual; the schema
-# documents each one and holds its default (the only place it is written).
-DEFAULTS = {**{k: v for k, v in defaults("train").items() if k not in ("device", "gpus", "nproc")},
-            "norm_before_residual": defaults("draft")["norm_before_residual"]}
+# The training config's keys and their defaults (the schema's): settings.TrainSettings.config().
+DEFAULTS = TrainSettings.defaults().config()
 
 
 def resolve_config(config):
@@ -26,8 +24,7 @@ def resolve_config(config):
 
 def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
     """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
-    keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
-    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in keys})
+    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in DraftSettings.defaults().shape()})
 
 
 def load_checkpoint(path):

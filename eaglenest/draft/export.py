@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..settings import ExportSettings
 from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .model import Eagle3Draft
@@ -101,14 +102,17 @@ def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype,
     return config
 
 
-def export_draft(checkpoint_path, out_dir=None, *, speculators_dir=None, card=None, dtype="bfloat16",
-                 verifier=None, k=3) -> dict:
+def export_draft(checkpoint_path, out_dir=None, settings: ExportSettings | None = None, *, speculators_dir=None,
+                 card=None, dtype="bfloat16") -> dict:
     """Export a ``train_draft`` checkpoint (which carries the draft config, the target facts and the
     vocabulary maps) to ``out_dir`` in vLLM's format and/or to ``speculators_dir`` in the speculators
-    format (verifier ``verifier``, default the target; ``k`` speculative tokens); ``card`` adds rows
-    and front matter (``target``, ``dataset``, ``license``) to the model cards. Returns the config
-    written last."""
+    format (``settings.verifier``; ``settings.k`` speculative tokens; None: the schema's defaults);
+    ``card`` adds rows and front matter (``target``, ``dataset``, ``license``) to the model cards.
+    Returns the config written last."""
     from .checkpoint import load_checkpoint
+
+    settings = settings or ExportSettings.defaults()
+    verifier, k = settings.verifier, settings.k
 
     tensors, cfg, info, train = load_checkpoint(checkpoint_path)
     config = None

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..states.hidden import HiddenShards
 from ..states.source import StateSource
+from ..settings import TrainSettings
 from ..states.target import load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
@@ -482,7 +483,7 @@ def _write_outputs(inputs: StepInputs, run: _Run, stats, rows, out_path, metrics
         path.unlink(missing_ok=True)  # the run is complete: its resume points are not, nor other runs' drafts
 
 
-def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device="auto", progress=True,
+def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir, device=None, progress=True,
                 stream=None, snapshot_paths=()) -> dict:
     """Train the draft; write ``out_path`` (safetensors: the draft's vLLM tensors, config in the
     metadata) and ``metrics_path`` (CSV, one row per optimizer step). Returns a summary.
@@ -491,8 +492,10 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     in ``out_path``'s format with the step and tokens so far in its statistics.
 
     ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
-    from the extraction server instead of shards."""
+    from the extraction server instead of shards. ``config``: the training config's keys that differ from
+    the schema's (``TrainSettings.config()``); ``device``: where it runs (None: train.device's default)."""
     cfg = resolve_config(config)
+    device = device or TrainSettings.defaults().device
     t_start = time.time()
     world, rank, local_rank, device, own_group = start_process(device)
     on_gpu = device.startswith("cuda")
@@ -572,7 +575,7 @@ def main(argv=None):
     p.add_argument("--state-dir", required=True)
     p.add_argument("--snapshots", nargs="*", default=[], help="where the drafts kept along training go")
     p.add_argument("--config", default="{}", help="the training config as JSON")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=None, help="where it runs (default: train.device's)")
     a = p.parse_args(argv)
     train_draft(a.hidden, a.vocab, a.out, a.metrics, head_path=a.head, config=json.loads(a.config),
                 state_dir=a.state_dir, device=a.device, stream=json.loads(a.stream) if a.stream else None,

@@ -9,12 +9,15 @@ Draft ids follow ascending target ids, so every offset is non-negative. Ties in 
 lower target id; tokens never seen fill any remaining places, lowest ids first.
 """
 
+from __future__ import annotations
+
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..settings import DraftSettings
 from ..states.hidden import iter_trace_tokens
 from ..util import save_safetensors, say
 from .vllm_format import d2t_from_target_ids, draft_to_target_ids
@@ -36,8 +39,11 @@ def maps_from_ids(target_ids, target_vocab_size):
     return d2t, t2d
 
 
-def build_vocab(trace_paths, out_path, target_vocab_size, draft_vocab_size=32000, use_truncated=True) -> dict:
-    """Count completion tokens over all traces and save ``d2t``/``t2d`` to ``out_path``."""
+def build_vocab(trace_paths, out_path, target_vocab_size, settings: DraftSettings | None = None) -> dict:
+    """Count completion tokens over all traces and save ``d2t``/``t2d`` to ``out_path``: the
+    ``settings.vocab_size`` most frequent (None: the schema's defaults)."""
+    settings = settings or DraftSettings.defaults()
+    draft_vocab_size, use_truncated = settings.vocab_size, settings.use_truncated
     if isinstance(trace_paths, (str, Path)):
         trace_paths = [trace_paths]
     counts = np.zeros(target_vocab_size, dtype=np.int64)

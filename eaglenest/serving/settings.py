@@ -10,6 +10,7 @@ reaches vLLM by environment only (VLLM_API_KEY), never a command line, script, s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from dataclasses import dataclass
@@ -25,10 +26,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
-    """The `server:` section of the workflow config; schemas/config.schema.yaml documents each key
-    and holds its default (the only place it is written)."""
+    """The `server:` section of the workflow config, the server stage's settings (as eaglenest.settings'
+    classes are the other stages'); schemas/config.schema.yaml documents each key and holds its default
+    (the only place it is written)."""
 
     mode: str = schema_field("server", "mode")
     model: str = schema_field("server", "model")
@@ -56,6 +58,15 @@ class ServerConfig:
     def from_dict(cls, d: dict) -> "ServerConfig":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ServerConfig":
+        """The server's settings from a validated workflow config."""
+        return cls.from_dict(config["server"])
+
+    def fingerprint(self) -> dict:
+        """Every server key: any change starts (or finds) the server again."""
+        return dataclasses.asdict(self)
 
     @property
     def model_id(self) -> str:

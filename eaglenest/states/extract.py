@@ -53,10 +53,11 @@ from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, RETRY_STATUSES
 from ..serving.connector import read_states, remove_states
 from ..serving.settings import ServerConfig
 from ..serving.vllm import extraction_layer_ids, extraction_server_args
+from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from ..vllm_facts import vllm_version
 from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
-from .target import load_target_head, target_config
+from .target import TargetFacts, load_target_head, target_config
 
 BACKEND = "vllm"
 
@@ -65,16 +66,15 @@ class ExtractError(EaglenestError, RuntimeError):
     """A failure the user can fix (server down, wrong server, a file that does not match)."""
 
 
-def layer_ids(info: dict) -> list[int]:
+def layer_ids(facts: TargetFacts) -> list[int]:
     """The vLLM ids the extraction server records: the aux layers, then the final layer (pre-norm)."""
-    return extraction_layer_ids(info["aux_layers"], info["num_hidden_layers"])
+    return extraction_layer_ids(facts.aux_layers, facts.num_hidden_layers)
 
 
-def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> ServerConfig:
+def hidden_server_config(server: ServerConfig, hidden: HiddenSettings, facts: TargetFacts, storage) -> ServerConfig:
     """The extraction server: the generation server's settings plus extraction mode.
 
-    ``server``/``hidden``: the config sections; ``info``: ``target_head.json``; ``storage``: the
-    directory the server writes into. It listens on ``hidden.port`` (its replica i on that port + i), or
+    ``facts``: the target's (``target_head.json``); ``storage``: the directory the server writes into. It listens on ``hidden.port`` (its replica i on that port + i), or
     where that is null on a free port of the node it runs on (serving.port),
     with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
     (where it shares GPUs with the trainer: ``hidden.mode: stream``).
@@ -82,20 +82,20 @@ def hidden_server_config(server: dict, hidden: dict, info: dict, storage) -> Ser
     ``max_model_len``; only the prompt is run through the model (the generated token never is), so
     going one past the model's own limit is safe here (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``). The
     extraction flags follow the vLLM release installed for ``server.python`` (``vllm_version``)."""
-    cfg = ServerConfig.from_dict(server)
-    env = {**cfg.env, **{k: str(v) for k, v in hidden.get("server_env", {}).items()}}
+    cfg = server
+    env = {**cfg.env, **{k: str(v) for k, v in hidden.server_env.items()}}
     max_len = cfg.max_model_len
-    if max_len is not None and max_len <= hidden["max_length"]:
-        max_len = hidden["max_length"] + 1
+    if max_len is not None and max_len <= hidden.max_length:
+        max_len = hidden.max_length + 1
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     return dataclasses.replace(
-        cfg, port=hidden.get("port"), max_model_len=max_len, reasoning_parser=None, env=env,
-        gpu_memory_utilization=hidden.get("gpu_memory_utilization") or cfg.gpu_memory_utilization,
+        cfg, port=hidden.port, max_model_len=max_len, reasoning_parser=None, env=env,
+        gpu_memory_utilization=hidden.gpu_memory_utilization or cfg.gpu_memory_utilization,
         # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
-        kv_cache_gb=None if hidden.get("gpu_memory_utilization") else cfg.kv_cache_gb,
-        extra_args=extraction_server_args(layer_ids(info), storage, cfg.extra_args, vllm_version(cfg.python)),
+        kv_cache_gb=None if hidden.gpu_memory_utilization else cfg.kv_cache_gb,
+        extra_args=extraction_server_args(layer_ids(facts), storage, cfg.extra_args, vllm_version(cfg.python)),
         # stream mode reads from one server, which may share the trainer's GPUs: no replicas there
-        replicas=1 if hidden.get("mode") == "stream" else cfg.replicas)
+        replicas=1 if hidden.mode == "stream" else cfg.replicas)
 
 
 # vLLM makes a request's prompt logits at once, beyond its start-up memory profile (module docstring):
@@ -154,28 +154,30 @@ def preflight_logits_memory(server: dict, hidden: dict) -> str:
     return f"extraction memory not checked: unknown {' and '.join(unknown)}"
 
 
-def extract_hidden_vllm(trace_paths, out_path, *, url, model, head_path, storage, max_length=2048,
-                        use_truncated=True, concurrency=64, request_timeout=3600.0, max_retries=3, backoff_base=1.0,
-                        backoff_max=30.0,
-                        api_key=None, progress=True) -> dict:
+def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None = None, *, url, model, head_path,
+                        storage, api_key=None, progress=True) -> dict:
     """Write one hidden-state shard from the extraction server at ``url`` (format: ``hidden.py``).
 
+    ``settings``: the sequences (max_length, use_truncated) and the client's concurrency, timeout and
+    retries (None: the schema's defaults).
     ``head_path``: ``target_head.safetensors`` (final-norm weight, aux layers, sizes); ``storage``:
     the directory the server writes per-request files into (must be the one it was started with).
     Refuses (``DiskSpaceError``) before sending anything when the disk is short. Raises
     ``ExtractError`` when the server stops answering or returns states that do not match; the
     finished rows are kept for the rerun. Returns counts, bytes and speed."""
+    s = settings or HiddenSettings.defaults()
+    max_length, use_truncated, concurrency = s.max_length, s.use_truncated, s.concurrency
     if isinstance(trace_paths, (str, Path)):
         trace_paths = [trace_paths]
     t_start = time.time()
     out_path, storage = Path(out_path), Path(storage).resolve()
-    client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=request_timeout,
-                          retry=RetryPolicy(max_retries, backoff_base, backoff_max), api_key=api_key)
+    client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=s.request_timeout,
+                          retry=RetryPolicy(s.max_retries, s.backoff_base, s.backoff_max), api_key=api_key)
     info, hidden_size, aux_layers = client.info, client.hidden_size, client.aux_layers
 
     seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)
     specs, metadata, offsets = shard_layout(seqs, aux_layers=aux_layers, hidden_size=hidden_size,
-                                            target=info.get("target", model), max_length=max_length,
+                                            target=info.target or model, max_length=max_length,
                                             backend=BACKEND)
     n_tokens = int(offsets[-1])
     needed = estimate_bytes(n_tokens, len(seqs), hidden_size, len(aux_layers))
@@ -325,14 +327,14 @@ class StatesClient:
     ``kept`` (what is kept and what to do)."""
 
     def __init__(self, *, url, model, storage, head_path, request_timeout, retry: RetryPolicy, api_key):
-        head, info = load_target_head(head_path)
+        head, info = load_target_head(head_path)[0], TargetFacts.read(head_path)
         # ``url``: one server's base URL, or the replicas' (server.replicas), which share the requests
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url, self.model, self.storage = ", ".join(self.urls), model, Path(storage).resolve()
         self.in_flight, self.down = dict.fromkeys(self.urls, 0), set()
-        self.ids_wanted, self.hidden_size = layer_ids(info), int(info["hidden_size"])
+        self.ids_wanted, self.hidden_size = layer_ids(info), int(info.hidden_size)
         self.aux_layers = self.ids_wanted[:-1]
-        self.norm = (head["norm.weight"].float(), float(info["rms_norm_eps"]))
+        self.norm = (head["norm.weight"].float(), float(info.rms_norm_eps))
         self.info = info
         self.request_timeout, self.retry, self.api_key = request_timeout, retry, api_key
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import DiskSpaceError
+from ..settings import HiddenSettings
 from ..util import progress_bar, say
 from .target import AuxCapture, decoder_of, greedy_next, load_target, target_info
 
@@ -358,28 +359,20 @@ def _write_shard(model, writer: ShardWriter, seqs, offsets, aux_layers, batch_to
         capture.remove()
 
 
-def extract_hidden(
-    trace_paths,
-    out_path,
-    target,
-    *,
-    aux_layers=None,
-    max_length=2048,
-    use_truncated=True,
-    batch_tokens=16384,
-    device="auto",
-    dtype="bfloat16",
-    progress=True,
-    model=None,
-) -> dict:
+def extract_hidden(trace_paths, out_path, settings: HiddenSettings | None = None, *, progress=True,
+                   model=None) -> dict:
     """Run the target over the trace tokens and write one hidden-state shard (format: module doc).
 
-    ``target`` is a transformers model directory or hub name (``model``, an already loaded target,
-    skips loading). ``dtype`` is the dtype the target runs in: bf16 matches what vLLM serves with
-    ``--dtype auto`` (it downcasts fp32 checkpoints). Refuses with ``DiskSpaceError`` before any work
-    when the disk is short. Returns counts, bytes and speed.
+    ``settings.target`` is a transformers model directory or hub name (``model``, an already loaded
+    target, skips loading); None: the schema's defaults. ``settings.dtype`` is the dtype the target runs
+    in: bf16 matches what vLLM serves with ``--dtype auto`` (it downcasts fp32 checkpoints). Refuses with
+    ``DiskSpaceError`` before any work when the disk is short. Returns counts, bytes and speed.
     """
     from transformers import AutoConfig
+
+    s = settings or HiddenSettings.defaults()
+    target, aux_layers, max_length, use_truncated = s.target, s.aux_layers, s.max_length, s.use_truncated
+    batch_tokens, device, dtype = s.batch_tokens, s.device, s.dtype
 
     if isinstance(trace_paths, (str, Path)):
         trace_paths = [trace_paths]

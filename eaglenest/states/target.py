@@ -6,19 +6,70 @@ layer ``i``, transformers' ``output_hidden_states[i]``.
 
 ``save_target_head`` writes what training needs of the target's head once, beside the shards:
 ``target_head.safetensors`` (``embed_tokens.weight``, ``lm_head.weight``, ``norm.weight``) and
-``target_head.json`` (``target_info``: sizes, rms eps, rope, layer count, aux layer ids).
+``target_head.json`` (``TargetFacts``: sizes, rms eps, rope, layer count, aux layer ids), which
+``TargetFacts.write`` writes and ``TargetFacts.read`` reads (the one pair that touches that file).
 """
 
+from __future__ import annotations
+
+import dataclasses
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..gguf import is_gguf
+from ..settings import HiddenSettings
 from ..vllm_facts import choose_aux_layers
 
 HEAD_FORMAT = "eaglenest.target_head/1"
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """The target's facts that extraction, training and export need (``target_info``), kept beside the
+    head as ``target_head.json``."""
+
+    architectures: list[str]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    aux_layers: list[int]  # vLLM layer ids (vllm_format): the state entering layer i
+    last_hidden: str  # "post_norm": the shards' last_hidden is after the final norm
+    target: str  # the target as transformers loaded it
+
+    @staticmethod
+    def json_path(head_path) -> Path:
+        return Path(head_path).with_suffix(".json")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def write(self, head_path) -> None:
+        """Write the facts beside ``head_path`` (target_head.safetensors -> target_head.json)."""
+        self.json_path(head_path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, head_path) -> "TargetFacts":
+        """The facts ``write`` left beside ``head_path``."""
+        path = cls.json_path(head_path)
+        facts = json.loads(path.read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(facts) != names:
+            raise ValueError(f"{path} does not hold the target's facts this version writes (missing "
+                             f"{sorted(names - set(facts))}, unknown {sorted(set(facts) - names)}): delete it and "
+                             f"{Path(head_path).name}, and rerun (rule save_target_head writes both again)")
+        return cls(**facts)
 
 
 def resolve_device(device="auto"):
@@ -166,18 +217,21 @@ def _head_weights_from_checkpoint(target, config):
     return weights
 
 
-def save_target_head(target, head_path, *, aux_layers=None, model=None, allow_load=True) -> dict:
+def save_target_head(head_path, settings: HiddenSettings | None = None, *, model=None) -> TargetFacts:
     """Save embed_tokens / lm_head / final-norm weights and the target's facts, once per target.
 
-    Writes ``head_path`` (safetensors) and ``head_path`` with suffix ``.json``; returns the info.
+    ``settings``: the target (``settings.target``) and its aux layers (None: the schema's defaults).
+    Writes ``head_path`` (safetensors) and its ``TargetFacts`` beside it; returns the facts.
     The weights come from ``model`` when given, else straight from the target's safetensors files,
-    else (unusual tensor names) from loading the whole target on CPU, where ``allow_load`` (the
-    transformers backend, which loads it anyway); otherwise that is refused with the names it lacks.
+    else (unusual tensor names) from loading the whole target on CPU, with hidden.backend transformers
+    (which loads it anyway); otherwise that is refused with the names it lacks.
     """
     from transformers import AutoConfig
 
+    settings = settings or HiddenSettings.defaults()
+    target, allow_load = settings.target, settings.backend == "transformers"
     config = model.config if model is not None else AutoConfig.from_pretrained(target)
-    info = {**target_info(config, aux_layers), "target": str(target)}
+    info = {**target_info(config, settings.aux_layers), "target": str(target)}
     weights = None if model is not None else _head_weights_from_checkpoint(target, config)
     if weights is None and model is None and not allow_load:
         raise ValueError(f"{target}: no safetensors checkpoint with the language model's embed_tokens, norm and lm_head "
@@ -195,17 +249,16 @@ def save_target_head(target, head_path, *, aux_layers=None, model=None, allow_lo
     from ..util import save_safetensors
 
     save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
-    Path(head_path).with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    facts = TargetFacts(**info)
+    facts.write(head_path)
+    return facts
 
 
 def load_target_head(head_path, device="cpu"):
-    """``(tensors, info)`` saved by ``save_target_head``."""
+    """``(tensors, info)`` saved by ``save_target_head`` (info: ``TargetFacts.to_dict()``)."""
     from safetensors.torch import load_file
 
-    head_path = Path(head_path)
-    info = json.loads(head_path.with_suffix(".json").read_text())
-    return load_file(str(head_path), device=str(device)), info
+    return load_file(str(head_path), device=str(device)), TargetFacts.read(head_path).to_dict()
 
 
 # ----------------------------------------------------------------------------- running it

@@ -18,15 +18,19 @@ from ..draft.export import export_draft
 from ..draft.vllm_format import how_to_serve
 from ..errors import ServerError, ValidationError
 from ..serving.settings import ServerConfig
+from ..settings import ValidateSettings
 from ..util import say, write_atomic
 from .evalsets import read_prompts
 from .validate import measure_run, request_settings, resolve_settings
 
 
-def measure_point(checkpoint_path, heldout_path, json_path, *, server: dict, generation: dict, validate: dict | None = None,
+def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSettings | None = None, *,
                   log_dir="logs/validate", workflow_pid=None, log=say) -> dict:
     """vLLM's acceptance of the draft in ``checkpoint_path`` on the held-out prompts at T=0 (module docstring);
-    writes it, with the step and tokens the draft had trained on, to ``json_path`` and returns it."""
+    writes it, with the step and tokens the draft had trained on, to ``json_path`` and returns it. ``settings``:
+    validation's (None: the schema's defaults)."""
+    settings = settings or ValidateSettings.defaults()
+    server, generation, validate = settings.server, settings.generation, settings.validate
     t0 = time.time()
     s = resolve_settings(validate, generation)
     k = s["num_speculative_tokens"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import ValidationError
 from ..data.prompts import prepare_prompts
+from ..settings import PromptSettings
 
 HELDOUT = "heldout"  # the held-out split's name in the matrix; always the first set
 SET_DEFAULTS = {"split": "train", "subset": None, "limit": None, "seed": 0, "chat_template_kwargs": None}
@@ -51,7 +52,9 @@ def load_set(spec: dict, cache_dir=None) -> list[dict]:
     if spec["name"] == HELDOUT:
         return read_prompts(spec["path"])
     with tempfile.TemporaryDirectory(prefix="eaglenest-evalset-") as tmp:
-        prepare_prompts(spec["path"], tmp, shards=1, split=spec["split"], limit=spec["limit"], heldout=0,
-                        seed=spec["seed"], subset=spec["subset"], cache_dir=cache_dir, progress=False)
+        settings = PromptSettings.defaults().replace(path=spec["path"], shards=1, split=spec["split"],
+                                                     limit=spec["limit"], heldout=0, seed=spec["seed"],
+                                                     cache_dir=cache_dir)
+        prepare_prompts(tmp, settings, subset=spec["subset"], progress=False)
         rows = read_prompts(Path(tmp) / "shard_0.jsonl")
     return rows

@@ -36,6 +36,7 @@ from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
 from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
+from ..settings import ValidateSettings
 from ..states.target import load_target
 from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
                           speculative_config, supported_version_note, vllm_version)
@@ -474,17 +475,19 @@ def _log_summary(report: dict, offline: dict, concurrency, json_path, html_path,
             f"step {p['step']} {p['acceptance_length']:.3f}" for p in report["curve"]["points"]))
 
 
-def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, server: dict, generation: dict,
-                   validate: dict | None = None, target=None, hidden_dtype="bfloat16", hidden_backend="transformers",
-                   checkpoint_path=None,
-                   log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None, cache_dir=None,
+def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, settings: ValidateSettings | None = None,
+                   *, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None,
                    curve_paths=()) -> dict:
-    """The whole validation (module docstring); returns the report dict it wrote. ``drafts``:
+    """The whole validation (module docstring); returns the report dict it wrote. ``settings``: the
+    stage's (the servers, the requests, the target; None: the schema's defaults). ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
     checkpoint) adds the export-against-training check; ``hidden_backend``: where validate.offline.engine is
     auto, transformers computes the offline prediction and the scores only if it held the target already; ``curve_paths``: the learning curve's points
     (``curve.measure_point``), drawn with the final draft's acceptance."""
+    settings = settings or ValidateSettings.defaults()
+    server, generation, validate, target = settings.server, settings.generation, settings.validate, settings.target
+    hidden_dtype, hidden_backend, cache_dir = settings.hidden_dtype, settings.hidden_backend, settings.cache_dir
     if not isinstance(drafts, dict):
         drafts = {"vllm": drafts}
     draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
@@ -496,13 +499,13 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, *, 
     if s.get("port"):
         srv = dataclasses.replace(srv, port=s["port"])
     target = target or srv.model
-    settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])  # the headline's: T=0
+    headline = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])  # the headline's: T=0
     # The matrix: every set at every temperature, each measured on every server start.
     sets = resolve_sets(s["datasets"], heldout_path)
     cells = _matrix_cells(s, sets, prompts, generation, cache_dir, log)
     plan, formats = _run_plan(drafts, srv, s, k, log)
     engine = _offline_engine(s["offline"], hidden_backend)
-    runs = _measure_runs(plan, srv, s, k, prompts, settings, cells, engine=engine, log_dir=log_dir,
+    runs = _measure_runs(plan, srv, s, k, prompts, headline, cells, engine=engine, log_dir=log_dir,
                          workflow_pid=workflow_pid, log=log)
     model, offline = _offline_prediction(target, draft_dir, runs, prompts, s, k, generation, engine=engine,
                                          hidden_dtype=hidden_dtype, hidden_backend=hidden_backend, log=log)

@@ -1,0 +1,321 @@
+"""One frozen settings object per stage, built once from the validated config (config.validate_config).
+
+Each class holds what one stage reads of the config: its own section, and the few keys of other
+sections it depends on, each field declared once with the config key it comes from (``setting``).
+A field's default is the schema's, so library code called without Snakemake takes ``Stage.defaults()``
+(or ``Stage.defaults().replace(...)``), never a default of its own.
+
+``fingerprint()`` is the part of a stage's settings that changes its outputs: its rule passes that plain
+dict as its one settings param, so a change reruns exactly that stage (and, through the files it
+rewrites, what follows). A field declared ``reruns=False`` (where a job runs, timeouts, concurrency)
+is read by the stage but never reruns it.
+
+Adding a setting takes two places: the schema (type, default, description) and one field here.
+The generation server's settings are ``serving.settings.ServerConfig`` (the same pattern); this
+module sits on the ground of the import graph and imports no stage package.
+docs/settings.md says which stage reads which section."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+from .config import defaults as config_defaults
+
+# dataset.generate writes the target's own questions here; prepare_prompts then reads them
+# (eaglenest.data.prompts re-exports it for the rules and the plan).
+QUESTIONS_FILE = "data/questions.jsonl"
+
+
+def lookup(config: dict, key: str):
+    """``config``'s value at a dotted key, e.g. ``lookup(config, "server.model")``."""
+    value = config
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def setting(key: str | Callable[[dict], Any], *, reruns: bool = True, reads: tuple[str, ...] = ()):
+    """A stage field read from the config at ``key`` ("section.key"; or a function of the whole config for
+    a value made of several keys, ``reads`` naming them), its default the schema's; ``reruns``: whether it
+    is in the stage's fingerprint."""
+    read = key if callable(key) else (lambda config: lookup(config, key))
+    default = read(config_defaults())
+    return field(default_factory=lambda: copy.deepcopy(default),
+                 metadata={"read": read, "keys": (key,) if isinstance(key, str) else reads, "reruns": reruns})
+
+
+class Stage:
+    """What every stage's settings share: built from a config, the schema's defaults, a fingerprint."""
+
+    @classmethod
+    def from_config(cls, config: dict):
+        """The stage's settings from a validated config (every key present: defaults filled in); a copy, so
+        a later change to ``config`` does not reach them."""
+        return cls(**{f.name: copy.deepcopy(f.metadata["read"](config)) for f in fields(cls)})
+
+    @classmethod
+    def defaults(cls):
+        """The stage's settings from the schema's defaults alone."""
+        return cls.from_config(config_defaults())
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def fingerprint(self) -> dict:
+        """The settings that change this stage's outputs (a plain dict: its rule's settings param)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.metadata.get("reruns", True)}
+
+
+def _plain(value):
+    return value.fingerprint() if isinstance(value, Stage) else copy.deepcopy(value)
+
+
+def served_model_id(config: dict) -> str:
+    """The model name requests to the generation server carry (server.served_model_name, else server.model)."""
+    return config["server"]["served_model_name"] or config["server"]["model"]
+
+
+def target_model(config: dict) -> str:
+    """The target as transformers loads it: hidden.target, else the served model."""
+    return config["hidden"]["target"] or config["server"]["model"]
+
+
+def dataset_path(config: dict) -> str:
+    """The dataset prepare_prompts reads: the target's own questions when dataset.generate asks for them."""
+    return QUESTIONS_FILE if config["dataset"]["generate"]["questions"] else config["dataset"]["path"]
+
+
+@dataclass(frozen=True)
+class PromptSettings(Stage):
+    """prepare_prompts: the dataset, its shuffle and split into training shards and the held-out set."""
+
+    # the dataset read: data/questions.jsonl where dataset.generate writes the questions
+    path: str = setting(dataset_path, reads=("dataset.path", "dataset.generate.questions"))
+    split: str = setting("dataset.split")
+    limit: int | None = setting("dataset.limit")
+    heldout: int = setting("dataset.heldout")
+    seed: int = setting("dataset.seed")
+    keep_system: bool = setting("dataset.keep_system")
+    max_prompt_chars: int = setting("dataset.max_prompt_chars")
+    shards: int = setting("shards")
+    cache_dir: str | None = setting("dataset.cache_dir", reruns=False)  # where datasets caches, not what it reads
+
+
+@dataclass(frozen=True)
+class QuestionSettings(Stage):
+    """write_questions (dataset.generate): the target writes its own training questions on the trace server."""
+
+    served_model: str = setting(served_model_id, reads=("server.served_model_name", "server.model"))  # who writes
+    questions: int = setting("dataset.generate.questions")
+    max_tokens: int = setting("dataset.generate.max_tokens")
+    temperature: float = setting("dataset.generate.temperature")
+    top_p: float = setting("dataset.generate.top_p")
+    min_chars: int = setting("dataset.generate.min_chars")
+    seed: int = setting("dataset.generate.seed")
+    evalsets: list[dict] = setting("validate.datasets")  # their questions never become training questions
+    concurrency: int = setting("generation.concurrency", reruns=False)
+    request_timeout: float = setting("generation.request_timeout", reruns=False)
+    max_retries: int = setting("generation.max_retries", reruns=False)
+    backoff_base: float = setting("generation.backoff_base", reruns=False)
+    backoff_max: float = setting("generation.backoff_max", reruns=False)
+    cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
+
+    def retry(self) -> dict:
+        """The client's retry settings, as serving.client.RetryPolicy.from_settings reads them."""
+        return {k: getattr(self, k) for k in ("max_retries", "backoff_base", "backoff_max")}
+
+
+@dataclass(frozen=True)
+class GenerationSettings(Stage):
+    """generate_traces: what makes the answers (the served model and the sampling), and how the client sends."""
+
+    model: str = setting(served_model_id, reads=("server.served_model_name", "server.model"))
+    max_tokens: int = setting("generation.max_tokens")
+    temperature: float = setting("generation.temperature")
+    top_p: float = setting("generation.top_p")
+    seed: int | None = setting("generation.seed")
+    chat_template_kwargs: dict | None = setting("generation.chat_template_kwargs")
+    extra_body: dict | None = setting("generation.extra_body")
+    concurrency: int = setting("generation.concurrency", reruns=False)
+    request_timeout: float = setting("generation.request_timeout", reruns=False)
+    max_retries: int = setting("generation.max_retries", reruns=False)
+    backoff_base: float = setting("generation.backoff_base", reruns=False)
+    backoff_max: float = setting("generation.backoff_max", reruns=False)
+    max_error_fraction: float = setting("generation.max_error_fraction", reruns=False)
+
+    def section(self) -> dict:
+        """The `generation:` section as the trace client reads it (a dict, without the model)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "model"}
+
+
+# The generation server's keys that change the states the vLLM extraction server computes.
+SERVED_KEYS = ("model", "dtype", "tensor_parallel_size", "extra_args")
+
+
+@dataclass(frozen=True)
+class HiddenSettings(Stage):
+    """save_target_head and the extraction of the hidden states (either backend, shards or stream)."""
+
+    backend: str = setting("hidden.backend", reruns=False)
+    mode: str = setting("hidden.mode", reruns=False)
+    target: str = setting(target_model, reads=("hidden.target", "server.model"))  # as transformers loads it
+    aux_layers: list[int] | None = setting("draft.aux_layers")  # None: the default ids (states.target)
+    max_length: int = setting("hidden.max_length")
+    use_truncated: bool = setting("hidden.use_truncated")
+    dtype: str = setting("hidden.dtype")
+    # backend vllm: the generation server's settings the extraction server shares
+    served: dict = setting(lambda c: {k: c["server"][k] for k in SERVED_KEYS}, reads=tuple(f"server.{k}" for k in SERVED_KEYS))
+    device: str = setting("hidden.device", reruns=False)
+    batch_tokens: int = setting("hidden.batch_tokens", reruns=False)
+    temporary: bool = setting("hidden.temporary", reruns=False)
+    gpus: int | None = setting("hidden.gpus", reruns=False)
+    concurrency: int = setting("hidden.concurrency", reruns=False)
+    port: int | None = setting("hidden.port", reruns=False)
+    request_timeout: float = setting("hidden.request_timeout", reruns=False)
+    max_retries: int = setting("hidden.max_retries", reruns=False)
+    backoff_base: float = setting("hidden.backoff_base", reruns=False)
+    backoff_max: float = setting("hidden.backoff_max", reruns=False)
+    max_disk_gb: float = setting("hidden.max_disk_gb", reruns=False)
+    cache: bool = setting("hidden.cache", reruns=False)
+    stream_ahead: int = setting("hidden.stream_ahead", reruns=False)
+    placement: str = setting("hidden.placement", reruns=False)
+    states_dir: str = setting("hidden.states_dir", reruns=False)
+    server_env: dict = setting("hidden.server_env", reruns=False)
+    gpu_memory_utilization: float | None = setting("hidden.gpu_memory_utilization", reruns=False)
+    gpu_memory_gib: float | None = setting("hidden.gpu_memory_gib", reruns=False)
+
+    def fingerprint(self) -> dict:
+        """What changes the states: the sequences, and the target that computes them (transformers:
+        hidden.target, its dtype and the aux layers; vllm: the served model's settings; its aux layers
+        reach it through target_head.json, an input)."""
+        states = {"max_length": self.max_length, "use_truncated": self.use_truncated}
+        if self.backend == "vllm":
+            return {**states, "served": copy.deepcopy(self.served)}
+        return {"target": self.target, "aux_layers": copy.deepcopy(self.aux_layers), "dtype": self.dtype, **states}
+
+    def server_fingerprint(self) -> dict:
+        """Every hidden key (the extraction server's port, environment, memory share ...): a change starts
+        the extraction server again."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
+    def head_fingerprint(self) -> dict:
+        """What changes target_head.safetensors and its facts: the target and the aux layers."""
+        return {"target": self.target, "aux_layers": copy.deepcopy(self.aux_layers)}
+
+
+@dataclass(frozen=True)
+class DraftSettings(Stage):
+    """The draft's shape (build_vocab, train_draft, export): its vocabulary, its sizes (None: the target's)
+    and the aux layers it reads."""
+
+    aux_layers: list[int] | None = setting("draft.aux_layers")
+    vocab_size: int = setting("draft.vocab_size")
+    norm_before_residual: bool = setting("draft.norm_before_residual")
+    intermediate_size: int | None = setting("draft.intermediate_size")
+    num_attention_heads: int | None = setting("draft.num_attention_heads")
+    num_key_value_heads: int | None = setting("draft.num_key_value_heads")
+    head_dim: int | None = setting("draft.head_dim")
+    use_truncated: bool = setting("hidden.use_truncated", reruns=False)  # the vocabulary counts the traces trained on
+
+    def vocab_fingerprint(self) -> dict:
+        """What changes the draft vocabulary (build_vocab)."""
+        return {"vocab_size": self.vocab_size, "use_truncated": self.use_truncated}
+
+    def shape(self) -> dict:
+        """The keys DraftConfig.from_target overrides the target's sizes with (None: the target's)."""
+        return {k: getattr(self, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                              "head_dim", "norm_before_residual")}
+
+
+@dataclass(frozen=True)
+class TrainSettings(Stage):
+    """train_draft: the schedule, the batches and the GPU code paths; the draft's shape; in hidden.mode
+    stream, the states it asks the extraction server for."""
+
+    device: str = setting("train.device", reruns=False)
+    gpus: int | None = setting("train.gpus", reruns=False)
+    nproc: int | None = setting("train.nproc", reruns=False)
+    ttt_length: int = setting("train.ttt_length")
+    ttt_decay: float = setting("train.ttt_decay")
+    lr: float = setting("train.lr")
+    min_lr_ratio: float = setting("train.min_lr_ratio")
+    warmup_steps: int | None = setting("train.warmup_steps")
+    epochs: float = setting("train.epochs")
+    max_steps: int | None = setting("train.max_steps")
+    batch_tokens: int = setting("train.batch_tokens")
+    batch_size: int | None = setting("train.batch_size")
+    grad_accum: int = setting("train.grad_accum")
+    clip: float = setting("train.clip")
+    weight_decay: float = setting("train.weight_decay")
+    seed: int = setting("train.seed")
+    init_from_target: bool = setting("train.init_from_target")
+    save_every: int = setting("train.save_every")
+    keep_states: int = setting("train.keep_states")
+    snapshots: int = setting("train.snapshots")
+    loss_chunk: int = setting("train.loss_chunk")
+    attention: str = setting("train.attention")
+    compile: str | bool = setting("train.compile")
+    recompute: str | bool = setting("train.recompute")
+    bf16_weights: str | bool = setting("train.bf16_weights")
+    split_step_grads: str | bool = setting("train.split_step_grads")
+    diag_split: str | bool = setting("train.diag_split")
+    skip_unscored: str | bool = setting("train.skip_unscored")
+    fp8: str | bool = setting("train.fp8")
+    fused_loss: str | bool = setting("train.fused_loss")
+    freeze_lm_head: bool = setting("train.freeze_lm_head")
+    log_every: int = setting("train.log_every")
+    prefetch: int = setting("train.prefetch")
+    draft: DraftSettings = setting(DraftSettings.from_config)
+    hidden: HiddenSettings = setting(HiddenSettings.from_config, reruns=False)  # stream mode: in the fingerprint
+
+    def config(self) -> dict:
+        """The training config train_draft runs on (and writes into the checkpoint): the schedule and code
+        paths, and the draft's shape keys, flat."""
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+               if f.name not in ("device", "gpus", "nproc", "draft", "hidden")}
+        return {**out, **self.draft.shape()}
+
+    def fingerprint(self) -> dict:
+        out = super().fingerprint()
+        if self.hidden.mode == "stream":  # the states come from the extraction server: what makes them retrains
+            out["stream"] = self.hidden.fingerprint()
+        return out
+
+
+# What validation's requests take from generation (validate.max_tokens and the temperatures win).
+VALIDATION_GENERATION_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body",
+                              "request_timeout")
+
+
+@dataclass(frozen=True)
+class ValidateSettings(Stage):
+    """validate_draft and curve_point: the servers, the requests, the offline prediction."""
+
+    validate: dict = setting("validate")  # the `validate:` section (validation.validate resolves it)
+    server: dict = setting("server")  # the validation servers take the generation server's settings
+    generation: dict = setting(lambda c: {k: c["generation"][k] for k in VALIDATION_GENERATION_KEYS},
+                               reads=tuple(f"generation.{k}" for k in VALIDATION_GENERATION_KEYS))
+    target: str = setting(target_model, reads=("hidden.target", "server.model"))
+    hidden_dtype: str = setting("hidden.dtype")
+    hidden_backend: str = setting("hidden.backend")
+    cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
+
+
+@dataclass(frozen=True)
+class ExportSettings(Stage):
+    """export_draft: the formats, the model card and the verifier the speculators format names."""
+
+    format: str = setting("export.format", reruns=False)  # the outputs themselves say which formats
+    verifier: str = setting(lambda c: c["export"]["verifier"] or c["server"]["model"],
+                            reads=("export.verifier", "server.model"))
+    license: str | None = setting("export.license")
+    dataset: str = setting("dataset.path")
+    target: str = setting(target_model, reads=("hidden.target", "server.model"))
+    k: int = setting("validate.num_speculative_tokens")
+
+    def card(self) -> dict:
+        """The model card's facts."""
+        return {"dataset": self.dataset, "target": self.target, "license": self.license}

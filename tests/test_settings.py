@@ -1,0 +1,199 @@
+"""One settings object per stage (eaglenest.settings): built from the validated config, its defaults the
+schema's, and a fingerprint that changes exactly when the stage's outputs would."""
+import copy
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from eaglenest.config import ConfigError, defaults, validate_config
+from eaglenest.serving.settings import ServerConfig
+from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
+                                QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
+from eaglenest.states.target import TargetFacts
+
+STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, TrainSettings, ValidateSettings,
+          ExportSettings)
+
+
+def _with(changes: dict) -> dict:
+    """The default config with dotted keys changed, validated as the workflow validates it."""
+    config = copy.deepcopy(defaults())
+    for key, value in changes.items():
+        section, name = key.rsplit(".", 1) if "." in key else ("", key)
+        (lookup(config, section) if section else config)[name] = value
+    return validate_config(config)
+
+
+@pytest.mark.parametrize("old, new", [("train.intermediate_size", "draft.intermediate_size"),
+                                      ("train.head_dim", "draft.head_dim")])
+def test_a_moved_key_is_refused_naming_its_new_place(old, new):
+    section, key = old.split(".")
+    with pytest.raises(ConfigError) as err:
+        validate_config({section: {key: 64}})
+    assert f"{old} moved to {new}" in str(err.value)
+
+
+def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
+    """A new schema key without a field (or a field without a schema key) fails here: a setting is written
+    in two places, the schema and its stage's field."""
+    read = {key for cls in STAGES for f in fields(cls) for key in f.metadata["keys"]}
+    for section in ("generation", "hidden", "draft", "train", "export"):
+        missing = {f"{section}.{k}" for k in defaults(section)} - read
+        assert not missing, f"schema keys no stage reads: {sorted(missing)}"
+    assert {f"dataset.{k}" for k in defaults("dataset") if k != "generate"} <= read
+    assert {f"dataset.generate.{k}" for k in defaults("dataset.generate")} <= read
+    for key in read:
+        lookup(defaults(), key)  # a KeyError: a field reads a key the schema does not have
+
+
+@pytest.mark.parametrize("cls", STAGES)
+def test_defaults_are_the_schemas(cls):
+    assert cls.defaults() == cls.from_config(validate_config({}))
+    assert cls() == cls.defaults()
+
+
+@pytest.mark.parametrize("cls, base, key, value, reruns", [
+    (PromptSettings, {}, "dataset.cache_dir", None, False),
+    (PromptSettings, {}, "dataset.heldout", 3, True),
+    (PromptSettings, {}, "shards", 2, True),
+    (PromptSettings, {}, "dataset.generate.questions", 5, True),  # the dataset read becomes the questions
+    (QuestionSettings, {}, "dataset.generate.temperature", 0.7, True),
+    (QuestionSettings, {}, "validate.datasets", [{"name": "x", "path": "toy/eval_prompts.jsonl"}], True),
+    (QuestionSettings, {}, "generation.concurrency", 7, False),
+    (GenerationSettings, {}, "generation.concurrency", 7, False),
+    (GenerationSettings, {}, "generation.request_timeout", 5, False),
+    (GenerationSettings, {}, "generation.temperature", 0.6, True),
+    (GenerationSettings, {}, "server.served_model_name", "other", True),
+    (HiddenSettings, {}, "hidden.batch_tokens", 64, False),
+    (HiddenSettings, {}, "hidden.concurrency", 2, False),
+    (HiddenSettings, {}, "hidden.dtype", "float32", False),  # backend vllm: the server's dtype counts
+    (HiddenSettings, {}, "server.dtype", "float32", True),
+    (HiddenSettings, {}, "hidden.max_length", 99, True),
+    (HiddenSettings, {"hidden.backend": "transformers"}, "hidden.dtype", "float32", True),
+    (HiddenSettings, {"hidden.backend": "transformers"}, "server.dtype", "float32", False),
+    (HiddenSettings, {"hidden.backend": "transformers"}, "draft.aux_layers", [1, 2, 3], True),
+    (DraftSettings, {}, "draft.head_dim", 8, True),
+    (DraftSettings, {}, "hidden.use_truncated", False, False),
+    (TrainSettings, {}, "train.device", "cpu", False),
+    (TrainSettings, {}, "train.nproc", 2, False),
+    (TrainSettings, {}, "train.lr", 0.01, True),
+    (TrainSettings, {}, "draft.num_attention_heads", 2, True),
+    (TrainSettings, {}, "hidden.max_length", 99, False),  # files mode: the shards carry it
+    (TrainSettings, {"hidden.mode": "stream"}, "hidden.max_length", 99, True),
+    (TrainSettings, {"hidden.mode": "stream"}, "hidden.stream_ahead", 2, False),
+    (ValidateSettings, {}, "dataset.cache_dir", None, False),
+    (ValidateSettings, {}, "validate.concurrency", 2, True),
+    (ValidateSettings, {}, "generation.max_tokens", 7, True),
+    (ExportSettings, {}, "export.format", "vllm", False),
+    (ExportSettings, {}, "export.license", "mit", True),
+    (ExportSettings, {}, "validate.num_speculative_tokens", 2, True),
+])
+def test_a_key_changes_the_fingerprint_exactly_when_it_changes_the_outputs(cls, base, key, value, reruns):
+    before = cls.from_config(_with(base))
+    after = cls.from_config(_with({**base, key: value}))
+    assert before != after, f"{key} is not read by {cls.__name__}"
+    assert (before.fingerprint() != after.fingerprint()) is reruns
+
+
+def test_fingerprints_are_plain_data():
+    """A rule's settings param: plain values Snakemake records and compares (and the lint reads as no path)."""
+    def plain(v):
+        return v is None or isinstance(v, (str, int, float, bool)) or \
+            (isinstance(v, list) and all(map(plain, v))) or \
+            (isinstance(v, dict) and all(isinstance(k, str) and plain(x) for k, x in v.items()))
+    config = _with({"hidden.mode": "stream"})
+    for cls in STAGES:
+        assert isinstance(cls.from_config(config).fingerprint(), dict) and plain(cls.from_config(config).fingerprint())
+    assert plain(ServerConfig.from_config(config).fingerprint())
+    assert plain(DraftSettings.defaults().vocab_fingerprint()) and plain(HiddenSettings.defaults().head_fingerprint())
+
+
+def test_the_head_fingerprint_changes_with_the_target_and_aux_layers_only():
+    base = HiddenSettings.defaults()
+    assert base.replace(max_length=7, backend="transformers").head_fingerprint() == base.head_fingerprint()
+    assert base.replace(aux_layers=[1, 2, 3]).head_fingerprint() != base.head_fingerprint()
+    assert base.replace(target="org/other").head_fingerprint() != base.head_fingerprint()
+
+
+def test_settings_are_frozen():
+    with pytest.raises(AttributeError):
+        TrainSettings.defaults().lr = 1.0
+    with pytest.raises(AttributeError):
+        ServerConfig().model = "other"
+
+
+def test_training_config_takes_the_drafts_shape_from_draft():
+    config = TrainSettings.from_config(_with({"draft.intermediate_size": 48, "draft.norm_before_residual": True}))
+    assert config.config()["intermediate_size"] == 48 and config.config()["norm_before_residual"] is True
+    assert not {"device", "gpus", "nproc", "draft", "hidden"} & set(config.config())
+
+
+@pytest.mark.parametrize("fn, cls", [
+    ("eaglenest.states.hidden:extract_hidden", HiddenSettings),
+    ("eaglenest.states.extract:extract_hidden_vllm", HiddenSettings),
+    ("eaglenest.states.target:save_target_head", HiddenSettings),
+    ("eaglenest.draft.vocab:build_vocab", DraftSettings),
+    ("eaglenest.data.prompts:prepare_prompts", PromptSettings),
+    ("eaglenest.validation.validate:validate_draft", ValidateSettings),
+    ("eaglenest.validation.curve:measure_point", ValidateSettings),
+    ("eaglenest.draft.export:export_draft", ExportSettings),
+    ("eaglenest.data.questions:write_questions", QuestionSettings),
+])
+def test_a_stage_function_takes_its_settings_object_not_keywords_that_repeat_the_schema(fn, cls):
+    import importlib
+
+    module, name = fn.split(":")
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    assert "settings" in params
+    assert not {f.name for f in fields(cls)} & set(params), f"{name} repeats a setting of {cls.__name__}"
+
+
+def test_target_facts_are_written_and_read_by_one_pair(tmp_path):
+    facts = TargetFacts(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8, intermediate_size=16,
+                        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
+                        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        max_position_embeddings=64, aux_layers=[1, 2, 3], last_hidden="post_norm", target="t")
+    facts.write(tmp_path / "target_head.safetensors")
+    assert (tmp_path / "target_head.json").is_file()
+    assert TargetFacts.read(tmp_path / "target_head.safetensors") == facts
+    (tmp_path / "target_head.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match=r"target_head.json does not hold.*missing \['architectures'"):
+        TargetFacts.read(tmp_path / "target_head.safetensors")
+
+
+def test_stage_is_the_base_of_every_stage():
+    assert all(issubclass(cls, Stage) for cls in STAGES)
+
+
+def test_schema_descriptions_are_short_and_the_long_ones_link_to_the_docs():
+    """A description is at most 200 characters; where a key needs more, it links to docs/settings.md,
+    which has a section for it."""
+    from eaglenest.config import SCHEMA_PATH, load_schema
+
+    docs = (SCHEMA_PATH.parent.parent / "docs" / "settings.md").read_text()
+    too_long, linked = [], 0
+
+    def walk(node, path):
+        nonlocal linked
+        if not isinstance(node, dict):
+            return
+        text = node.get("description")
+        if isinstance(text, str):
+            if len(text) > 200:
+                too_long.append(f"{path} ({len(text)})")
+            if "docs/settings.md" in text and path.count(".") > 0:
+                linked += 1
+                assert f"### {path}" in docs, f"docs/settings.md has no section on {path}"
+        for key, sub in node.get("properties", {}).items():
+            walk(sub, f"{path}.{key}" if path else key)
+
+    walk(load_schema(), "")
+    assert not too_long, too_long
+    assert linked >= 15
+
+
+def test_any_hidden_key_restarts_the_extraction_server_but_only_some_re_extract():
+    base = HiddenSettings.defaults()
+    changed = base.replace(port=8999)
+    assert changed.fingerprint() == base.fingerprint() and changed.server_fingerprint() != base.server_fingerprint()
