@@ -33,7 +33,7 @@ from .config import DraftConfig
 from .fp8 import weight_casts
 from .layers import DecoderLayer, RMSNorm, project
 from .losses import ttt_loss, ttt_loss_fused
-from .ttt import (GatherRows, StepGrads, StepInputs, causal_block_mask, mark_chains_dynamic, token_embeds_ids,
+from .ttt import (GatherRows, StepGrads, StepWeights, causal_block_mask, mark_chains_dynamic, token_embeds_ids,
                   ttt_block_masks, ttt_chains, ttt_mask)
 from .vllm_format import draft_to_target_ids
 
@@ -206,7 +206,7 @@ class Eagle3Draft(nn.Module):
         outs = []
         collect = StepGrads(list(shared.values()), compiled=self.runtime.compiled) if shared else None
         if shared:  # FP8 Linears: their weights cast once for all the steps, handed over like the aliases
-            shared = StepInputs(shared, collect, weight_casts(self))
+            shared = StepWeights(shared, collect, weight_casts(self))
         for j in range(ttt_length if chains is None else 1):
             cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
             # the step widens the embeddings itself: the slice (a view) is what a recomputed step keeps

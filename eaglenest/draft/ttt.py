@@ -98,7 +98,7 @@ def step_weights(shared, collect):
 
 
 @dataclasses.dataclass
-class StepInputs:
+class StepWeights:
     """What ``split_step_grads`` hands every TTT step in place of the parameters: its own aliases of
     ``shared`` (``step_weights``, gradients into ``collect``) and ``casts``, tensors made once per
     training step (``fp8.weight_casts``), by name."""
