@@ -85,7 +85,7 @@ STREAM = HIDDEN.mode == "stream"
 if VLLM_HIDDEN and workflow.is_main_process:
     # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
     try:
-        logger.info(f"eaglenest: {preflight_logits_memory(facts_config()['server'], config['hidden'])}")
+        logger.info(f"eaglenest: {preflight_logits_memory(facts_config()['server'], HIDDEN)}")
     except ConfigError as e:
         raise WorkflowError(str(e)) from None
 if STREAM and not VLLM_HIDDEN:

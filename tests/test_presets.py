@@ -16,6 +16,7 @@ from eaglenest.config import defaults, load_schema, validate_config
 from eaglenest.errors import ConfigError
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
+from eaglenest.settings import HiddenSettings
 from eaglenest.states.extract import check_logits_memory, preflight_logits_memory, target_vocab_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,7 +193,8 @@ def test_slurm_mode_without_a_gpu_partition_stops_when_sbatch_partition_would_ta
 # ---------------------------------------------------------------------------------------------
 # The extraction server's memory share and the prompt logits
 
-QWEN3 = {"server": {"gpu_memory_utilization": 0.9}, "hidden": {"max_length": 10240, "gpu_memory_utilization": None}}
+QWEN3 = {"server": {"gpu_memory_utilization": 0.9},
+         "hidden": HiddenSettings.defaults().replace(max_length=10240, gpu_memory_utilization=None)}
 
 
 def test_a_share_that_cannot_hold_the_prompt_logits_is_refused_naming_the_key():
@@ -202,7 +204,7 @@ def test_a_share_that_cannot_hold_the_prompt_logits_is_refused_naming_the_key():
     msg = str(e.value)
     assert "server.gpu_memory_utilization=0.9" in msg and "8.7 GiB" in msg and "8.0 GiB" in msg
     assert "set hidden.gpu_memory_utilization to 0.89 or less" in msg
-    ok = check_logits_memory(QWEN3["server"], {**QWEN3["hidden"], "gpu_memory_utilization": 0.85}, 151936, 79.6)
+    ok = check_logits_memory(QWEN3["server"], QWEN3["hidden"].replace(gpu_memory_utilization=0.85), 151936, 79.6)
     assert "hidden.gpu_memory_utilization=0.85" in ok and "11.9 GiB" in ok
 
 
@@ -240,9 +242,10 @@ def test_vocabulary_from_a_local_target_or_the_hf_cache(tmp_path, monkeypatch):
 
 def test_the_check_is_skipped_with_a_note_when_gpu_memory_or_vocabulary_is_unknown(monkeypatch):
     monkeypatch.setenv("PATH", _no_gpu_env()["PATH"])
-    note = preflight_logits_memory({"model": str(ROOT / "toy/target")}, {"max_length": 512, "gpu_memory_gib": None})
+    note = preflight_logits_memory({"model": str(ROOT / "toy/target")},
+                                   HiddenSettings.defaults().replace(max_length=512, gpu_memory_gib=None))
     assert note.startswith("extraction memory not checked") and "hidden.gpu_memory_gib" in note
-    note = preflight_logits_memory({"model": "Org/Absent"}, {"max_length": 512, "gpu_memory_gib": 80})
+    note = preflight_logits_memory({"model": "Org/Absent"}, HiddenSettings.defaults().replace(max_length=512, gpu_memory_gib=80))
     assert "vocabulary of Org/Absent" in note
 
 

@@ -118,17 +118,16 @@ def gpu_memory_gib() -> float | None:
     return min(totals) if totals else None
 
 
-def check_logits_memory(server: dict, hidden: dict, vocab: int, gpu_gib: float) -> str:
+def check_logits_memory(server: dict, hidden: HiddenSettings, vocab: int, gpu_gib: float) -> str:
     """Refuse (ConfigError) an extraction-server memory share that leaves no room, outside vLLM's
     share of a ``gpu_gib`` GPU, for the prompt logits of ``hidden.max_length`` tokens; else a one-line
     summary. The share is ``hidden.gpu_memory_utilization``, else ``server.gpu_memory_utilization``,
     else vLLM's default 0.9."""
-    key = "hidden.gpu_memory_utilization" if hidden.get("gpu_memory_utilization") else \
-        "server.gpu_memory_utilization"
-    share = hidden.get("gpu_memory_utilization") or server.get("gpu_memory_utilization") or 0.9
-    need = hidden["max_length"] * vocab * PROMPT_LOGIT_BYTES / 2**30
+    key = "hidden.gpu_memory_utilization" if hidden.gpu_memory_utilization else "server.gpu_memory_utilization"
+    share = hidden.gpu_memory_utilization or server.get("gpu_memory_utilization") or 0.9
+    need = hidden.max_length * vocab * PROMPT_LOGIT_BYTES / 2**30
     room = (1 - share) * gpu_gib
-    figure = (f"the prompt logits of hidden.max_length={hidden['max_length']} tokens x {vocab:,} vocabulary x "
+    figure = (f"the prompt logits of hidden.max_length={hidden.max_length} tokens x {vocab:,} vocabulary x "
               f"{PROMPT_LOGIT_BYTES} bytes = {need:.1f} GiB; {key}={share:g} leaves {room:.1f} GiB of a "
               f"{gpu_gib:.1f} GiB GPU outside vLLM's share")
     if need > room:
@@ -141,11 +140,11 @@ def check_logits_memory(server: dict, hidden: dict, vocab: int, gpu_gib: float) 
     return f"extraction memory: {figure}"
 
 
-def preflight_logits_memory(server: dict, hidden: dict) -> str:
+def preflight_logits_memory(server: dict, hidden: HiddenSettings) -> str:
     """``check_logits_memory`` with the GPU's memory (hidden.gpu_memory_gib, else nvidia-smi here) and
     the target's vocabulary (``target_vocab_size``); a note saying why it was skipped when either is
     unknown."""
-    gib, vocab = hidden.get("gpu_memory_gib") or gpu_memory_gib(), target_vocab_size(server["model"])
+    gib, vocab = hidden.gpu_memory_gib or gpu_memory_gib(), target_vocab_size(server["model"])
     if gib and vocab:
         return check_logits_memory(server, hidden, vocab, gib)
     unknown = [what for what, known in (("the GPU's memory (set hidden.gpu_memory_gib; no nvidia-smi here)", gib),
