@@ -21,6 +21,13 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schem
 MOVED_KEYS = {
     **{f"train.{k}": f"draft.{k}" for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                                               "head_dim")},
+    # hidden: once flat, now each in the part that reads it (the vLLM extraction server and its client, the
+    # transformers forward, stream mode)
+    **{f"hidden.{k}": f"hidden.{part}.{k}" for part, keys in (
+        ("vllm", ("concurrency", "port", "request_timeout", "max_retries", "backoff_base", "backoff_max", "states_dir",
+                  "server_env", "gpu_memory_utilization", "gpu_memory_gib")),
+        ("transformers", ("device", "batch_tokens")),
+        ("stream", ("max_disk_gb", "cache", "stream_ahead", "placement"))) for k in keys},
 }
 
 

@@ -106,7 +106,7 @@ class Plan:
     hidden_size: int | None
     hidden_size_source: str
     files_bytes: int | None       # hidden.mode files: the shards
-    stream_bytes: int             # hidden.mode stream: hidden.max_disk_gb
+    stream_bytes: int             # hidden.mode stream: hidden.stream.max_disk_gb
     free_bytes: int | None
     mode: str
     replicas: int
@@ -123,7 +123,7 @@ class Plan:
                 and self.files_bytes > self.free_bytes:
             return (f"hidden.mode files: the shards need up to {human_bytes(self.files_bytes)} and "
                     f"the working directory's disk has {human_bytes(self.free_bytes)} free; set hidden.mode: stream (at most "
-                    "hidden.max_disk_gb on disk at once), or lower dataset.limit or hidden.max_length")
+                    "hidden.stream.max_disk_gb on disk at once), or lower dataset.limit or hidden.max_length")
         return None
 
     @property
@@ -251,7 +251,7 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
                 generated_tokens=prompts * g["max_tokens"] if prompts is not None else None,
                 state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
                 files_bytes=state_tokens * shard_bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
-                stream_bytes=int(h["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
+                stream_bytes=int(h["stream"]["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
                 replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
                 validation=validation_time(config))
     plan.gpus = stage_plan(config, has_gpu)
@@ -346,7 +346,7 @@ def format_plan(p: Plan) -> str:
     else:
         lines.append(f"  hidden states, files mode: unknown (no hidden size: {p.hidden_size_source} not found; "
                      "set plan.hidden_size)")
-    lines.append(f"  hidden states, stream mode: at most {human_bytes(p.stream_bytes)} at once (hidden.max_disk_gb)")
+    lines.append(f"  hidden states, stream mode: at most {human_bytes(p.stream_bytes)} at once (hidden.stream.max_disk_gb)")
     lines.append(f"  hidden.mode: {p.mode}" + ("  <- suggest hidden.mode: stream: files mode needs "
                                                f"{human_bytes(p.files_bytes)}" if p.suggest_stream else ""))
     lines.append(f"  replicas: {p.replicas} (server.replicas, server.mode {p.server_mode})")

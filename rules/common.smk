@@ -91,10 +91,10 @@ if VLLM_HIDDEN and workflow.is_main_process:
 if STREAM and not VLLM_HIDDEN:
     raise WorkflowError("hidden.mode: stream takes the states from the vLLM extraction server: set hidden.backend: vllm "
                         "(or hidden.mode: files to use the transformers backend)")
-if STREAM and {"node": "local", "slurm": "slurm"}[config["hidden"]["placement"]] != config["server"]["mode"]:
+if STREAM and {"node": "local", "slurm": "slurm"}[HIDDEN.placement] != config["server"]["mode"]:
     raise WorkflowError(
-        f"hidden.placement: {config['hidden']['placement']} needs server.mode: "
-        f"{ {'node': 'local', 'slurm': 'slurm'}[config['hidden']['placement']]} (it is {config['server']['mode']!r}): "
+        f"hidden.stream.placement: {HIDDEN.placement} needs server.mode: "
+        f"{ {'node': 'local', 'slurm': 'slurm'}[HIDDEN.placement]} (it is {config['server']['mode']!r}): "
         "node runs the extraction server beside the trainer, slurm as its own SLURM job; make the two agree")
 
 

@@ -53,7 +53,7 @@ if VLLM_HIDDEN:
             # what changes the states vLLM computes: a change re-extracts every shard
             settings=HIDDEN.fingerprint(),
         resources:
-            # One shard at a time against the server, each with hidden.concurrency requests in flight.
+            # One shard at a time against the server, each with hidden.vllm.concurrency requests in flight.
             generation_slots=1,
         conda:
             "../envs/eaglenest.yaml"

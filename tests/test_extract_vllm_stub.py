@@ -167,7 +167,7 @@ def test_refuses_before_sending_when_the_disk_is_short(tmp_path, head, monkeypat
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
     with StubExtractionServer(storage, 4, 128) as stub:
-        with pytest.raises(DiskSpaceError, match="hidden.concurrency"):
+        with pytest.raises(DiskSpaceError, match="hidden.vllm.concurrency"):
             _run(tmp_path, head, stub)
         assert stub.requests == 0
 

@@ -16,7 +16,7 @@ from eaglenest.config import defaults, load_schema, validate_config
 from eaglenest.errors import ConfigError
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
-from eaglenest.settings import HiddenSettings
+from eaglenest.settings import HiddenSettings, lookup
 from eaglenest.states.extract import check_logits_memory, preflight_logits_memory, target_vocab_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +26,8 @@ SLURM_PRESETS = [p for p in PRESETS if p.name.endswith(".slurm.yaml")]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # What a SLURM variant may change of its one-node preset
 # (in stream mode the extraction server is its own job on its own node: its placement, and its full share)
-SLURM_KEYS = [("server", "mode"), ("server", "slurm"), ("hidden", "gpus"), ("hidden", "gpu_memory_gib"),
-              ("hidden", "placement"), ("hidden", "gpu_memory_utilization"), ("train", "gpus"), ("validate", "gpus")]
+SLURM_KEYS = ["server.mode", "server.slurm", "hidden.gpus", "hidden.vllm.gpu_memory_gib", "hidden.stream.placement",
+              "hidden.vllm.gpu_memory_utilization", "train.gpus", "validate.gpus"]
 GPU_RULES = {"extract_hidden": "hidden", "train_draft": "train", "validate_draft": "validate", "curve_point": "validate"}
 
 
@@ -131,9 +131,10 @@ def test_a_slurm_variant_is_its_preset_but_for_the_slurm_keys(path):
     base = validate_config(yaml.safe_load(path.with_name(path.name.replace(".slurm", "")).read_text()))
     assert variant["server"]["mode"] == "slurm" and variant["server"]["slurm"]["partition"]
     assert all(v is not None for k, v in variant["server"]["slurm"].items() if k != "account")
-    for section, key in SLURM_KEYS:
-        assert variant[section][key] is not None, f"{section}.{key} must be explicit in {path.name}"
-        del variant[section][key], base[section][key]
+    for key in SLURM_KEYS:
+        section, name = key.rsplit(".", 1)
+        assert lookup(variant, key) is not None, f"{key} must be explicit in {path.name}"
+        del lookup(variant, section)[name], lookup(base, section)[name]
     assert variant == base
 
 
@@ -185,7 +186,7 @@ def test_slurm_mode_without_a_gpu_partition_stops_when_sbatch_partition_would_ta
     env = _no_gpu_env()
     out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
                           "--configfile", str(ROOT / "configs/qwen3-8b-thinking.yaml"), "--config", "server={mode: slurm}",
-                          "hidden={placement: slurm}"],
+                          "hidden={stream: {placement: slurm}}"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0 and "server.slurm.partition" in out.stdout + out.stderr
 
@@ -203,22 +204,22 @@ def test_a_share_that_cannot_hold_the_prompt_logits_is_refused_naming_the_key():
         check_logits_memory(QWEN3["server"], QWEN3["hidden"], 151936, 79.6)
     msg = str(e.value)
     assert "server.gpu_memory_utilization=0.9" in msg and "8.7 GiB" in msg and "8.0 GiB" in msg
-    assert "set hidden.gpu_memory_utilization to 0.89 or less" in msg
+    assert "set hidden.vllm.gpu_memory_utilization to 0.89 or less" in msg
     ok = check_logits_memory(QWEN3["server"], QWEN3["hidden"].replace(gpu_memory_utilization=0.85), 151936, 79.6)
-    assert "hidden.gpu_memory_utilization=0.85" in ok and "11.9 GiB" in ok
+    assert "hidden.vllm.gpu_memory_utilization=0.85" in ok and "11.9 GiB" in ok
 
 
 def test_the_workflow_stops_before_any_job_when_the_share_is_too_large(tmp_path):
     # the toy: 512 tokens x 105 x 6 bytes = 0.3 MiB; 0.9 of a 1 MiB "GPU" leaves 0.1 MiB
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["server"]["model"] = str(ROOT / "toy/target")
-    cfg["hidden"].update(backend="vllm", max_length=512, gpu_memory_utilization=0.9, gpu_memory_gib=1 / 1024)
+    cfg["hidden"].update(backend="vllm", max_length=512, vllm={"gpu_memory_utilization": 0.9, "gpu_memory_gib": 1 / 1024})
     (tmp_path / "tight.yaml").write_text(yaml.safe_dump(cfg))
     out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "-n", "--cores", "1",
                           "--configfile", str(tmp_path / "tight.yaml")],
                          capture_output=True, text=True, timeout=300, env=_no_gpu_env())
     assert out.returncode != 0
-    assert "hidden.gpu_memory_utilization" in out.stdout + out.stderr and "prompt logits" in out.stdout + out.stderr
+    assert "hidden.vllm.gpu_memory_utilization" in out.stdout + out.stderr and "prompt logits" in out.stdout + out.stderr
     assert not (tmp_path / "data").exists()
 
 
@@ -244,7 +245,7 @@ def test_the_check_is_skipped_with_a_note_when_gpu_memory_or_vocabulary_is_unkno
     monkeypatch.setenv("PATH", _no_gpu_env()["PATH"])
     note = preflight_logits_memory({"model": str(ROOT / "toy/target")},
                                    HiddenSettings.defaults().replace(max_length=512, gpu_memory_gib=None))
-    assert note.startswith("extraction memory not checked") and "hidden.gpu_memory_gib" in note
+    assert note.startswith("extraction memory not checked") and "hidden.vllm.gpu_memory_gib" in note
     note = preflight_logits_memory({"model": "Org/Absent"}, HiddenSettings.defaults().replace(max_length=512, gpu_memory_gib=80))
     assert "vocabulary of Org/Absent" in note
 

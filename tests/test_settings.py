@@ -38,8 +38,10 @@ def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
     """A new schema key without a field (or a field without a schema key) fails here: a setting is written
     in two places, the schema and its stage's field."""
     read = {key for cls in STAGES for f in fields(cls) for key in f.metadata["keys"]}
-    for section in ("generation", "hidden", "draft", "train", "export"):
-        missing = {f"{section}.{k}" for k in defaults(section)} - read
+    for section in ("generation", "hidden", "hidden.vllm", "hidden.transformers", "hidden.stream", "draft", "train",
+                    "export"):
+        missing = {f"{section}.{k}" for k in defaults(section)} - read - {"hidden.vllm", "hidden.transformers",
+                                                                          "hidden.stream"}
         assert not missing, f"schema keys no stage reads: {sorted(missing)}"
     assert {f"dataset.{k}" for k in defaults("dataset") if k != "generate"} <= read
     assert {f"dataset.generate.{k}" for k in defaults("dataset.generate")} <= read
@@ -65,8 +67,8 @@ def test_defaults_are_the_schemas(cls):
     (GenerationSettings, {}, "generation.request_timeout", 5, False),
     (GenerationSettings, {}, "generation.temperature", 0.6, True),
     (GenerationSettings, {}, "server.served_model_name", "other", True),
-    (HiddenSettings, {}, "hidden.batch_tokens", 64, False),
-    (HiddenSettings, {}, "hidden.concurrency", 2, False),
+    (HiddenSettings, {}, "hidden.transformers.batch_tokens", 64, False),
+    (HiddenSettings, {}, "hidden.vllm.concurrency", 2, False),
     (HiddenSettings, {}, "hidden.dtype", "float32", False),  # backend vllm: the server's dtype counts
     (HiddenSettings, {}, "server.dtype", "float32", True),
     (HiddenSettings, {}, "hidden.max_length", 99, True),
@@ -81,7 +83,7 @@ def test_defaults_are_the_schemas(cls):
     (TrainSettings, {}, "draft.num_attention_heads", 2, True),
     (TrainSettings, {}, "hidden.max_length", 99, False),  # files mode: the shards carry it
     (TrainSettings, {"hidden.mode": "stream"}, "hidden.max_length", 99, True),
-    (TrainSettings, {"hidden.mode": "stream"}, "hidden.stream_ahead", 2, False),
+    (TrainSettings, {"hidden.mode": "stream"}, "hidden.stream.stream_ahead", 2, False),
     (ValidateSettings, {}, "dataset.cache_dir", None, False),
     (ValidateSettings, {}, "validate.concurrency", 2, True),
     (ValidateSettings, {}, "generation.max_tokens", 7, True),

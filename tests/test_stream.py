@@ -2,7 +2,7 @@
 
 The session's vLLM-backend run (conftest.vllm_backend_run: files mode up to draft/checkpoint; trace
 server, extraction server, shards, training) is files mode; a working directory here takes its prompts
-and traces (copied, mtimes kept) and trains in stream mode with hidden.max_disk_gb set to a quarter of
+and traces (copied, mtimes kept) and trains in stream mode with hidden.stream.max_disk_gb set to a quarter of
 one shard, while a thread measures the disk its per-request files and cache take. That run is killed
 twice on its way: kill -9 of the training job once step 10 is saved, then kill -9 of the extraction
 server once step 20 is saved; each rerun resumes from the last saved state. Same traces, seed and
@@ -67,11 +67,11 @@ class PeakDisk:
         self.thread.join()
 
 
-def _stream_copy(src, dst, **hidden):
-    """A working directory with ``src``'s prompts and traces, configured for stream mode."""
+def _stream_copy(src, dst, **stream):
+    """A working directory with ``src``'s prompts and traces, configured for stream mode (``stream``: hidden.stream's keys)."""
     dst.mkdir(parents=True, exist_ok=True)
     cfg = yaml.safe_load((src / "config.yaml").read_text())
-    cfg["hidden"].update({"mode": "stream", **hidden})
+    cfg["hidden"].update({"mode": "stream", "stream": stream})
     (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
     copy_traces(src, dst)
     return cfg

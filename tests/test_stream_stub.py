@@ -130,7 +130,7 @@ def test_without_cache_every_later_read_is_re_extracted(data, files_run, tmp_pat
 
 def test_a_budget_below_one_request_file_is_refused_with_the_key(data, tmp_path):
     with SeededStub(storage_dir(tmp_path / "states"), 4, 128) as stub:
-        with pytest.raises(ExtractError, match="hidden.max_disk_gb"):
+        with pytest.raises(ExtractError, match="hidden.stream.max_disk_gb"):
             _train(data, tmp_path, stream=_spec(data, stub, max_disk_gb=1e-6))
         assert stub.requests == 0
 

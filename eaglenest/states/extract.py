@@ -10,7 +10,7 @@ variables (``hidden_server_config``).
 
 ``extract_hidden_vllm`` sends each trace's exact ``prompt + completion`` token ids (cut at
 ``hidden.max_length``: the same sequences as the transformers backend, ``hidden.shard_sequences``)
-to ``/v1/completions`` with ``max_tokens: 1``, ``hidden.concurrency`` requests in flight; reads the
+to ``/v1/completions`` with ``max_tokens: 1``, ``hidden.vllm.concurrency`` requests in flight; reads the
 per-request file, refuses it unless its token ids are those sent (naming the trace id), applies the
 target's final RMSNorm to the final-layer state (the shard's ``last_hidden`` is post-norm, see
 ``hidden.py``), writes the rows at their place in the shard and deletes the file. Memory is bounded
@@ -23,7 +23,7 @@ token it generates (``temperature: 0``, ``return_token_ids``) is the greedy choi
 position. vLLM makes those prompt logits per request at once, beyond what its start-up memory profile
 counts (one row of logits per sequence): about
 ``prompt tokens x vocabulary x 6`` bytes (model-dtype logits and float32 log-probs; 2 GB for 2048
-tokens of a 163,840-token vocabulary), which ``hidden.gpu_memory_utilization`` must leave room for.
+tokens of a 163,840-token vocabulary), which ``hidden.vllm.gpu_memory_utilization`` must leave room for.
 
 Crash safety: the shard is written in place under ``<shard>.partial`` (its layout is fixed by pass 1),
 and each sequence whose rows are written is appended to ``<shard>.partial.done``. A rerun after
@@ -74,9 +74,9 @@ def layer_ids(facts: TargetFacts) -> list[int]:
 def hidden_server_config(server: ServerConfig, hidden: HiddenSettings, facts: TargetFacts, storage) -> ServerConfig:
     """The extraction server: the generation server's settings plus extraction mode.
 
-    ``facts``: the target's (``target_head.json``); ``storage``: the directory the server writes into. It listens on ``hidden.port`` (its replica i on that port + i), or
+    ``facts``: the target's (``target_head.json``); ``storage``: the directory the server writes into. It listens on ``hidden.vllm.port`` (its replica i on that port + i), or
     where that is null on a free port of the node it runs on (serving.port),
-    with ``hidden.server_env`` on top of ``server.env`` and ``hidden.gpu_memory_utilization`` when set
+    with ``hidden.vllm.server_env`` on top of ``server.env`` and ``hidden.vllm.gpu_memory_utilization`` when set
     (where it shares GPUs with the trainer: ``hidden.mode: stream``).
     A sequence of ``hidden.max_length`` tokens plus the one token vLLM must generate has to fit
     ``max_model_len``; only the prompt is run through the model (the generated token never is), so
@@ -91,7 +91,7 @@ def hidden_server_config(server: ServerConfig, hidden: HiddenSettings, facts: Ta
     return dataclasses.replace(
         cfg, port=hidden.port, max_model_len=max_len, reasoning_parser=None, env=env,
         gpu_memory_utilization=hidden.gpu_memory_utilization or cfg.gpu_memory_utilization,
-        # hidden.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
+        # hidden.vllm.gpu_memory_utilization is the extraction server's own share: a KV size would override it.
         kv_cache_gb=None if hidden.gpu_memory_utilization else cfg.kv_cache_gb,
         extra_args=extraction_server_args(layer_ids(facts), storage, cfg.extra_args, vllm_version(cfg.python)),
         # stream mode reads from one server, which may share the trainer's GPUs: no replicas there
@@ -121,9 +121,9 @@ def gpu_memory_gib() -> float | None:
 def check_logits_memory(server: dict, hidden: HiddenSettings, vocab: int, gpu_gib: float) -> str:
     """Refuse (ConfigError) an extraction-server memory share that leaves no room, outside vLLM's
     share of a ``gpu_gib`` GPU, for the prompt logits of ``hidden.max_length`` tokens; else a one-line
-    summary. The share is ``hidden.gpu_memory_utilization``, else ``server.gpu_memory_utilization``,
+    summary. The share is ``hidden.vllm.gpu_memory_utilization``, else ``server.gpu_memory_utilization``,
     else vLLM's default 0.9."""
-    key = "hidden.gpu_memory_utilization" if hidden.gpu_memory_utilization else "server.gpu_memory_utilization"
+    key = "hidden.vllm.gpu_memory_utilization" if hidden.gpu_memory_utilization else "server.gpu_memory_utilization"
     share = hidden.gpu_memory_utilization or server.get("gpu_memory_utilization") or 0.9
     need = hidden.max_length * vocab * PROMPT_LOGIT_BYTES / 2**30
     room = (1 - share) * gpu_gib
@@ -132,22 +132,22 @@ def check_logits_memory(server: dict, hidden: HiddenSettings, vocab: int, gpu_gi
               f"{gpu_gib:.1f} GiB GPU outside vLLM's share")
     if need > room:
         most = int((1 - need / gpu_gib) * 100) / 100
-        fix = (f"set hidden.gpu_memory_utilization to {most:.2f} or less" if most > 0 else
+        fix = (f"set hidden.vllm.gpu_memory_utilization to {most:.2f} or less" if most > 0 else
                "no share is small enough on this GPU")
         raise ConfigError(f"the extraction server would run out of GPU memory: {figure}. To fix it, {fix}, "
-                          f"or lower hidden.max_length (hidden.gpu_memory_gib: the GPU's memory, if it is not "
+                          f"or lower hidden.max_length (hidden.vllm.gpu_memory_gib: the GPU's memory, if it is not "
                           f"{gpu_gib:.1f} GiB)")
     return f"extraction memory: {figure}"
 
 
 def preflight_logits_memory(server: dict, hidden: HiddenSettings) -> str:
-    """``check_logits_memory`` with the GPU's memory (hidden.gpu_memory_gib, else nvidia-smi here) and
+    """``check_logits_memory`` with the GPU's memory (hidden.vllm.gpu_memory_gib, else nvidia-smi here) and
     the target's vocabulary (``target_vocab_size``); a note saying why it was skipped when either is
     unknown."""
     gib, vocab = hidden.gpu_memory_gib or gpu_memory_gib(), target_vocab_size(server["model"])
     if gib and vocab:
         return check_logits_memory(server, hidden, vocab, gib)
-    unknown = [what for what, known in (("the GPU's memory (set hidden.gpu_memory_gib; no nvidia-smi here)", gib),
+    unknown = [what for what, known in (("the GPU's memory (set hidden.vllm.gpu_memory_gib; no nvidia-smi here)", gib),
                                          (f"the vocabulary of {server['model']} (no local config.json, not in "
                                           f"the Hugging Face cache)", vocab)) if not known]
     return f"extraction memory not checked: unknown {' and '.join(unknown)}"
@@ -188,8 +188,8 @@ def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None =
     say(f"extract_hidden (vLLM at {client.url}): {len(seqs)} sequences, {n_tokens} tokens -> {out_path}, "
         f"about {needed / 2**30:.3f} GiB on disk (+{staging / 2**30:.3f} GiB of per-request files in {storage})")
     check_free_disk({Path(out_path).resolve().parent: needed - have, Path(storage): staging}, f"{out_path}",
-                    "the shard and the per-request files of hidden.concurrency requests; free space, or lower "
-                    "hidden.max_length or hidden.concurrency")
+                    "the shard and the per-request files of hidden.vllm.concurrency requests; free space, or lower "
+                    "hidden.max_length or hidden.vllm.concurrency")
 
     writer = ShardWriter(out_path, specs, metadata, resume=True)
     run = _Run(seqs=seqs, offsets=offsets, writer=writer, client=client, concurrency=concurrency, progress=progress,
@@ -371,7 +371,7 @@ class StatesClient:
                         raise ExtractError(f"{where}: the extraction server at {self.url} refused trace "
                                            f"{rid!r} ({len(ids)} tokens): {what}")
             except CONNECTION_ERRORS as e:
-                what = describe_client_error(e, self.request_timeout, "hidden.request_timeout")
+                what = describe_client_error(e, self.request_timeout, "hidden.vllm.request_timeout")
                 if isinstance(e, CONNECTION_LOST) and self.drop(url, what, where):
                     attempt -= 1  # another replica serves: this attempt does not count
                     continue

@@ -54,10 +54,10 @@ class StreamedStates:
         self.longest_file = client.file_bytes(longest)
         if self.longest_file > self.budget:
             raise ExtractError(
-                f"hidden.max_disk_gb ({self.budget / 1e9:g} GB) is below the per-request file of the longest "
-                f"sequence ({longest} tokens: up to {self.longest_file / 1e9:.4g} GB); raise hidden.max_disk_gb "
+                f"hidden.stream.max_disk_gb ({self.budget / 1e9:g} GB) is below the per-request file of the longest "
+                f"sequence ({longest} tokens: up to {self.longest_file / 1e9:.4g} GB); raise hidden.stream.max_disk_gb "
                 f"or lower hidden.max_length")
-        # the cache may take what the requests in flight do not need: room for hidden.concurrency of
+        # the cache may take what the requests in flight do not need: room for hidden.vllm.concurrency of
         # the longest files, or half the budget where that is less (and at least one such file)
         self.cache_limit = self.budget - max(self.longest_file, min(self.concurrency * self.longest_file, self.budget // 2))
         self.cache_dir = Path(cache_dir) if cache_dir else None
@@ -144,7 +144,7 @@ class StreamedStates:
         return (f"stream: {c['extracted']} sequences extracted ({c['extracted_tokens']} tokens), of which "
                 f"{c['re_extracted']} re-extracted ({c['re_extracted_tokens']} tokens); {c['from_cache']} read from "
                 f"the cache ({c['from_cache_tokens']} tokens); peak disk {self.peak_bytes / 1e6:.3f} MB of "
-                f"hidden.max_disk_gb {self.budget / 1e6:.3f} MB; the reader waited {self.t_wait:.1f} s for states")
+                f"hidden.stream.max_disk_gb {self.budget / 1e6:.3f} MB; the reader waited {self.t_wait:.1f} s for states")
 
     def _cache_path(self, k):
         return self.cache_dir / f"{k}.safetensors"
@@ -245,9 +245,9 @@ class StreamedStates:
 
 def open_stream(spec: dict) -> StreamedStates:
     """A ``StreamedStates`` from plain settings (JSON: what the rule passes, also through torchrun):
-    ``traces``, ``url``, ``model``, ``head``, ``storage``, ``server`` (the config section: the API key), the ``hidden:`` keys
+    ``traces``, ``url``, ``model``, ``head``, ``storage``, ``server`` (the config section: the API key), the HiddenSettings
     ``max_length``, ``use_truncated``, ``concurrency``, ``request_timeout``, ``max_retries``,
-    ``max_disk_gb``, ``cache``, plus ``ahead_tokens`` and ``cache_dir``."""
+    ``max_disk_gb``, ``cache`` (``hidden:``, ``hidden.vllm``, ``hidden.stream``), plus ``ahead_tokens`` and ``cache_dir``."""
     from ..serving.settings import ServerConfig
 
     api_key = ServerConfig.from_dict(spec["server"]).api_key()
