@@ -254,6 +254,23 @@ def test_the_check_is_skipped_with_a_note_when_gpu_memory_or_vocabulary_is_unkno
 # The schema
 
 
+@pytest.mark.parametrize("path", [ROOT / "config.yaml", *PRESETS], ids=lambda p: p.name)
+def test_a_regrouped_preset_validates_and_its_flat_form_is_refused_naming_the_new_places(path):
+    """The presets are written with hidden's parts (hidden.vllm, .transformers, .stream); the same preset with
+    those keys flat under hidden:, as written before, stops naming where each went."""
+    preset = yaml.safe_load(path.read_text())
+    validate_config(preset, source=str(path))
+    parts = {k: v for k, v in preset["hidden"].items() if k in ("vllm", "transformers", "stream")}
+    if parts:
+        flat = {**{k: v for k, v in preset["hidden"].items() if k not in parts},
+                **{k: v for keys in parts.values() for k, v in keys.items()}}
+        with pytest.raises(ConfigError) as err:
+            validate_config({**preset, "hidden": flat}, source=str(path))
+        for part, keys in parts.items():
+            for key in keys:
+                assert f"hidden.{key} moved to hidden.{part}.{key}" in str(err.value)
+
+
 def test_every_schema_key_has_a_description():
     missing = []
 

@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from eaglenest.config import ConfigError, defaults, validate_config
+from eaglenest.config import MOVED_KEYS, ConfigError, defaults, validate_config
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
                                 QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
@@ -26,12 +26,47 @@ def _with(changes: dict) -> dict:
 
 
 @pytest.mark.parametrize("old, new", [("train.intermediate_size", "draft.intermediate_size"),
-                                      ("train.head_dim", "draft.head_dim")])
+                                      ("train.head_dim", "draft.head_dim"),
+                                      ("hidden.concurrency", "hidden.vllm.concurrency"),
+                                      ("hidden.gpu_memory_gib", "hidden.vllm.gpu_memory_gib"),
+                                      ("hidden.batch_tokens", "hidden.transformers.batch_tokens"),
+                                      ("hidden.max_disk_gb", "hidden.stream.max_disk_gb")])
 def test_a_moved_key_is_refused_naming_its_new_place(old, new):
     section, key = old.split(".")
     with pytest.raises(ConfigError) as err:
         validate_config({section: {key: 64}})
     assert f"{old} moved to {new}" in str(err.value)
+
+
+def test_every_flat_hidden_key_of_old_is_refused_and_its_new_place_is_a_schema_key():
+    """A config written before `hidden:` was grouped by backend and mode: every one of its keys either stays
+    at hidden's top or is refused, all of them in one message, each naming a key the schema has."""
+    flat = {"backend": "vllm", "mode": "stream", "target": None, "dtype": "bfloat16", "max_length": 64,
+            "use_truncated": True, "temporary": False, "gpus": 1, "concurrency": 8, "port": 9000,
+            "request_timeout": 60, "max_retries": 1, "backoff_base": 1.0, "backoff_max": 2.0, "states_dir": "s",
+            "server_env": {}, "gpu_memory_utilization": 0.5, "gpu_memory_gib": 80, "device": "cpu",
+            "batch_tokens": 64, "max_disk_gb": 1, "cache": False, "stream_ahead": 2, "placement": "node"}
+    with pytest.raises(ConfigError) as err:
+        validate_config({"hidden": flat})
+    moved = {old: new for old, new in MOVED_KEYS.items() if old.startswith("hidden.")}
+    stays = {k for k in flat if f"hidden.{k}" not in moved}
+    assert stays == {"backend", "mode", "target", "dtype", "max_length", "use_truncated", "temporary", "gpus"}
+    for old, new in moved.items():
+        assert f"{old} moved to {new}" in str(err.value)
+        lookup(defaults(), new)  # a KeyError: the new place is not in the schema
+    assert validate_config({"hidden": {k: flat[k] for k in stays}})["hidden"]["mode"] == "stream"
+
+
+def test_a_regrouped_hidden_section_validates_and_reaches_the_settings():
+    config = validate_config({"hidden": {"backend": "vllm", "mode": "stream", "max_length": 64,
+                                         "vllm": {"concurrency": 8, "gpu_memory_utilization": 0.5},
+                                         "transformers": {"batch_tokens": 128},
+                                         "stream": {"max_disk_gb": 2, "placement": "slurm"}}})
+    hidden = HiddenSettings.from_config(config)
+    assert (hidden.concurrency, hidden.gpu_memory_utilization, hidden.batch_tokens) == (8, 0.5, 128)
+    assert (hidden.max_disk_gb, hidden.placement, hidden.stream_ahead) == (2, "slurm", defaults("hidden.stream")["stream_ahead"])
+    with pytest.raises(ConfigError, match=r"hidden.vllm: .*'max_disk_gb' was unexpected"):
+        validate_config({"hidden": {"vllm": {"max_disk_gb": 2}}})  # a key in another part than its own
 
 
 def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
