@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..states.hidden import HiddenShards
 from ..states.source import StateSource
 from ..settings import TrainSettings
-from ..states.target import load_target_head, resolve_device
+from ..states.target import TargetFacts, load_target_head, resolve_device
 from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, loss_rows, run_shapes
 from .checkpoint import draft_config, resolve_config, save_checkpoint
@@ -223,12 +223,12 @@ def open_states(hidden_paths, stream, info, t2d, vocab_path, head_path) -> State
         shards = open_stream(stream)
     else:
         shards = HiddenShards(hidden_paths)
-    if len(t2d) != info["vocab_size"]:
-        raise ValueError(f"{vocab_path}: t2d covers {len(t2d)} tokens, the target ({head_path}) has {info['vocab_size']}")
-    if shards.aux_layers != info["aux_layers"] or shards.hidden_size != info["hidden_size"]:
+    if len(t2d) != info.vocab_size:
+        raise ValueError(f"{vocab_path}: t2d covers {len(t2d)} tokens, the target ({head_path}) has {info.vocab_size}")
+    if shards.aux_layers != info.aux_layers or shards.hidden_size != info.hidden_size:
         raise ValueError(
             f"hidden shards (aux layers {shards.aux_layers}, hidden {shards.hidden_size}) do not match "
-            f"{head_path} (aux layers {info['aux_layers']}, hidden {info['hidden_size']}): re-extract one or the other"
+            f"{head_path} (aux layers {info.aux_layers}, hidden {info.hidden_size}): re-extract one or the other"
         )
     return shards
 
@@ -244,7 +244,7 @@ def target_head_rows(head, shards, draft_ids, info, device, rank):
     if rank == 0:
         say(f"train_draft: {len(shards.without_target_next)} shard(s) have no target_next (written by an older "
             f"eaglenest, e.g. {shards.without_target_next[0]}): the target's argmax is taken over its full "
-            f"vocabulary of {info['vocab_size']} each step, which is slower and keeps the whole lm_head "
+            f"vocabulary of {info.vocab_size} each step, which is slower and keeps the whole lm_head "
             "on the device; delete and re-extract the shards to train on the fast path")
     return head["lm_head.weight"].to(device, head_dtype)
 
@@ -395,7 +395,7 @@ class _Run:
     """(step, file in ``state_dir``) of each draft kept along training."""
     dcfg: DraftConfig
     """The draft's ``checkpoint.draft_config``."""
-    info: dict
+    info: TargetFacts
     """The target's facts (``target.load_target_head``)."""
 
     @classmethod
@@ -559,6 +559,25 @@ def _save_weights(path, model, opt, cfg, dcfg, info, stats) -> None:
     weights = opt.master_state_dict(model) if cfg["bf16_weights"] else model.state_dict()
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
     save_checkpoint(path, tensors, dcfg, info, {**stats, "config": cfg})
+
+
+def train_in_processes(nproc: int, hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config,
+                       state_dir, device, stream=None, snapshot_paths=()) -> int:
+    """``train_draft`` in this process (``nproc`` 1), or in ``nproc`` processes under torchrun, each
+    started with ``main``'s arguments. Returns the exit status."""
+    if nproc <= 1:
+        train_draft(hidden_paths, vocab_path, out_path, metrics_path, head_path=head_path, config=config,
+                    state_dir=state_dir, device=device, stream=stream, snapshot_paths=snapshot_paths)
+        return 0
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "eaglenest.draft.train", "--hidden", *hidden_paths, "--vocab", vocab_path, "--head", head_path,
+           "--out", out_path, "--metrics", metrics_path, "--state-dir", state_dir, "--snapshots", *snapshot_paths,
+           "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
+    say("launching: " + " ".join(cmd))
+    return subprocess.run(cmd).returncode
 
 
 def main(argv=None):

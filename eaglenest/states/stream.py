@@ -243,6 +243,19 @@ class StreamedStates:
             self.cond.notify_all()
 
 
+STREAM_KEYS = ("max_length", "use_truncated", "concurrency", "request_timeout", "max_retries", "backoff_base",
+               "backoff_max", "max_disk_gb", "cache")
+
+
+def stream_spec(hidden, *, traces, ready: dict, head, server: dict, batch_tokens: int, cache_dir) -> dict:
+    """``open_stream``'s plain settings (JSON, so torchrun's processes get them too) from the
+    ``HiddenSettings``, the extraction server's sentinel (``ready``: url, model, states_dir) and the
+    training batch size (the stream runs ``hidden.stream.stream_ahead`` batches ahead)."""
+    return {"traces": list(traces), "url": ready["urls"][0], "model": ready["model"], "head": str(head),
+            "storage": ready["states_dir"], "server": server, **{k: getattr(hidden, k) for k in STREAM_KEYS},
+            "ahead_tokens": hidden.stream_ahead * batch_tokens, "cache_dir": str(cache_dir)}
+
+
 def open_stream(spec: dict) -> StreamedStates:
     """A ``StreamedStates`` from plain settings (JSON: what the rule passes, also through torchrun):
     ``traces``, ``url``, ``model``, ``head``, ``storage``, ``server`` (the config section: the API key), the HiddenSettings
