@@ -130,7 +130,8 @@ def test_target_head_saved_once_from_the_checkpoint(target, tmp_path):
 
     head_path = tmp_path / "target_head.safetensors"
     info = save_target_head(head_path, HiddenSettings.defaults().replace(target=target, aux_layers=[0, 1, 3])).to_dict()
-    tensors, saved = load_target_head(head_path)
+    tensors, facts = load_target_head(head_path)
+    saved = facts.to_dict()
     assert saved == json.loads(json.dumps(info)) and saved["aux_layers"] == [0, 1, 3]
     assert saved["hidden_size"] == HIDDEN and saved["vocab_size"] == VOCAB and saved["num_hidden_layers"] == LAYERS
     assert saved["last_hidden"] == "post_norm" and saved["rope_parameters"]["rope_theta"] == 5000.0
@@ -159,7 +160,7 @@ def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, m
     save_target_head(head_path, HiddenSettings.defaults().replace(target="org/tiny", aux_layers=[0, 1, 3]))
     tensors, saved = load_target_head(head_path)
     reference, _ = load_target_head(_saved_head(target, tmp_path / "ref.safetensors"))
-    assert saved["target"] == "org/tiny"
+    assert saved.target == "org/tiny"
     for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
         assert torch.equal(tensors[name], reference[name])
 
@@ -227,8 +228,8 @@ def test_a_multimodal_wrappers_head_is_read_by_name_without_building_the_model(t
     assert torch.equal(head["embed_tokens.weight"], tensors["language_model.model.embed_tokens.weight"])
     assert torch.equal(head["norm.weight"], tensors["language_model.model.norm.weight"])
     assert torch.equal(head["lm_head.weight"], tensors["language_model.lm_head.weight"])
-    assert saved["hidden_size"] == 16 and saved["vocab_size"] == 96 and saved["num_hidden_layers"] == 6
-    assert saved["model_type"] == "deepseek_v3" and 0 not in info["aux_layers"]
+    assert saved.hidden_size == 16 and saved.vocab_size == 96 and saved.num_hidden_layers == 6
+    assert saved.model_type == "deepseek_v3" and 0 not in info["aux_layers"]
 
 
 def test_a_head_that_is_not_found_is_refused_rather_than_loading_the_whole_target(tmp_path, monkeypatch):

@@ -62,6 +62,7 @@ def tiny(tmp_path_factory):
     from eaglenest.draft.export import write_draft
     from eaglenest.draft.config import DraftConfig
     from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.states.target import TargetFacts
 
     root = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
@@ -77,7 +78,7 @@ def tiny(tmp_path_factory):
     d2t, t2d = ids - torch.arange(40), torch.zeros(VOCAB, dtype=torch.bool)
     t2d[ids] = True
     draft.set_target(target.get_input_embeddings().weight, d2t, t2d)
-    info = {"aux_layers": [1, 2, 3], "target": "tiny", "num_hidden_layers": 4, "hidden_size": HIDDEN}
+    info = TargetFacts.of(cfg, [1, 2, 3], "tiny")
     write_draft(root / "draft", dcfg, info, draft.state_dict(), None, None, "float32")
     return target, root / "draft", draft
 

@@ -28,7 +28,7 @@ def run(data, out, config=CONFIG):
 def test_train_writes_checkpoint_and_metrics(data, tmp_path):
     stats = run(data, tmp_path)
     tensors, cfg, info, trained = load_checkpoint(tmp_path / "checkpoint.safetensors")
-    assert cfg.draft_vocab_size == 40 and cfg.target_vocab_size == 100 and info["aux_layers"] == [1, 2, 3]
+    assert cfg.draft_vocab_size == 40 and cfg.target_vocab_size == 100 and info.aux_layers == [1, 2, 3]
     assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (40, 64)
     assert trained["steps"] == stats["steps"] == 6
     rows = list(csv.DictReader(open(tmp_path / "train_metrics.csv")))

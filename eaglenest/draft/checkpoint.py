@@ -6,6 +6,7 @@ importing the trainer."""
 import json
 
 from ..settings import DraftSettings, TrainSettings
+from ..states.target import TargetFacts
 from ..util import save_safetensors
 from .config import DraftConfig
 
@@ -22,13 +23,13 @@ def resolve_config(config):
     return {**DEFAULTS, **(config or {})}
 
 
-def draft_config(info, draft_vocab_size, cfg) -> DraftConfig:
+def draft_config(info: TargetFacts, draft_vocab_size, cfg) -> DraftConfig:
     """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
     return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in DraftSettings.defaults().shape()})
 
 
 def load_checkpoint(path):
-    """``(tensors, draft_config, target_info, train_stats)`` of a train_draft checkpoint."""
+    """``(tensors, draft_config, TargetFacts, train_stats)`` of a train_draft checkpoint."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -36,16 +37,17 @@ def load_checkpoint(path):
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"])), json.loads(meta["target"]), json.loads(meta["train"])
+    facts = TargetFacts.from_dict(json.loads(meta["target"]), f"{path}'s metadata", "train it again with this version")
+    return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"])), facts, json.loads(meta["train"])
 
 
 
-def save_checkpoint(path, tensors, dcfg: DraftConfig, info: dict, train: dict):
+def save_checkpoint(path, tensors, dcfg: DraftConfig, info: TargetFacts, train: dict):
     """Write ``tensors`` as a checkpoint ``load_checkpoint`` reads back."""
     metadata = {
         "format": CHECKPOINT_FORMAT,
         "draft_config": json.dumps(dcfg.to_dict()),
-        "target": json.dumps(info),
+        "target": json.dumps(info.to_dict()),
         "train": json.dumps(train, default=str),
     }
     save_safetensors(tensors, path, metadata)

@@ -37,21 +37,21 @@ class DraftConfig:
             )
 
     @classmethod
-    def from_target(cls, info: dict, draft_vocab_size: int, **overrides):
-        """Sizes default to the target's (``info`` as in target.target_info); ``overrides`` win when not None."""
+    def from_target(cls, info, draft_vocab_size: int, **overrides):
+        """Sizes default to the target's (``info``: its ``target.TargetFacts``); ``overrides`` win when not None."""
         cfg = {
-            "hidden_size": info["hidden_size"],
-            "intermediate_size": info["intermediate_size"],
-            "num_attention_heads": info["num_attention_heads"],
-            "num_key_value_heads": info["num_key_value_heads"],
-            "head_dim": info["head_dim"],
-            "target_vocab_size": info["vocab_size"],
+            "hidden_size": info.hidden_size,
+            "intermediate_size": info.intermediate_size,
+            "num_attention_heads": info.num_attention_heads,
+            "num_key_value_heads": info.num_key_value_heads,
+            "head_dim": info.head_dim,
+            "target_vocab_size": info.vocab_size,
             "draft_vocab_size": draft_vocab_size,
-            "target_hidden_size": info["hidden_size"],
-            "num_aux_layers": len(info["aux_layers"]),
-            "rms_norm_eps": info["rms_norm_eps"],
-            "rope_parameters": dict(info["rope_parameters"]),
-            "max_position_embeddings": info["max_position_embeddings"],
+            "target_hidden_size": info.hidden_size,
+            "num_aux_layers": len(info.aux_layers),
+            "rms_norm_eps": info.rms_norm_eps,
+            "rope_parameters": dict(info.rope_parameters),
+            "max_position_embeddings": info.max_position_embeddings,
         }
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**cfg)

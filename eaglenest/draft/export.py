@@ -39,7 +39,7 @@ def front_matter(config, card) -> str:
 def model_card(config, info, card, train=None, k=3) -> str:
     """README.md: front matter, what the draft is for, how it was made, how to serve it."""
     card = dict(card or {})
-    target = card.get("target", info.get("target", "TARGET"))
+    target = card.get("target", info.target)
     flat = flat_config(config)
     fmt = "speculators" if is_speculators(config) else "vllm"
     lines = [
@@ -50,7 +50,7 @@ def model_card(config, info, card, train=None, k=3) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| target | {target} ({info.get('num_hidden_layers')} layers, hidden {info.get('hidden_size')}) |",
+        f"| target | {target} ({info.num_hidden_layers} layers, hidden {info.hidden_size}) |",
         f"| format | {fmt} |",
         f"| auxiliary layers (vLLM ids) | {flat['eagle_aux_hidden_state_layer_ids']} |",
         f"| draft vocabulary | {flat['draft_vocab_size']} of {flat['vocab_size']} tokens |",
@@ -87,10 +87,10 @@ def write_draft(out_dir, cfg: DraftConfig, info, state_dict, card, train, dtype,
     out_dir = Path(out_dir)
     tensors = vllm_tensors(state_dict, cfg, dtype)
     if fmt == "speculators":
-        config = speculators_config_json(cfg, info["aux_layers"], verifier=verifier or info.get("target"), k=k,
-                                         dtype=dtype, verifier_architectures=info.get("architectures"))
+        config = speculators_config_json(cfg, info.aux_layers, verifier=verifier or info.target, k=k,
+                                         dtype=dtype, verifier_architectures=info.architectures)
     else:
-        config = draft_config_json(cfg, info["aux_layers"], dtype)
+        config = draft_config_json(cfg, info.aux_layers, dtype)
     save_safetensors(format_tensors(tensors, fmt), out_dir / "model.safetensors", {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(config, info, card, train, k))

@@ -326,7 +326,7 @@ class StatesClient:
     ``kept`` (what is kept and what to do)."""
 
     def __init__(self, *, url, model, storage, head_path, request_timeout, retry: RetryPolicy, api_key):
-        head, info = load_target_head(head_path)[0], TargetFacts.read(head_path)
+        head, info = load_target_head(head_path)
         # ``url``: one server's base URL, or the replicas' (server.replicas), which share the requests
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url, self.model, self.storage = ", ".join(self.urls), model, Path(storage).resolve()

@@ -60,16 +60,25 @@ class TargetFacts:
         self.json_path(head_path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
+    def of(cls, config, aux_layers, target) -> "TargetFacts":
+        """The facts of a transformers config (``target_info``) and the target's name or path."""
+        return cls(**target_info(config, aux_layers), target=str(target))
+
+    @classmethod
+    def from_dict(cls, facts: dict, where: str, fix: str) -> "TargetFacts":
+        """``to_dict``'s keys back, or an error naming ``where`` they came from and ``fix``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(facts) != names:
+            raise ValueError(f"{where} does not hold the target's facts this version writes (missing "
+                             f"{sorted(names - set(facts))}, unknown {sorted(set(facts) - names)}): {fix}")
+        return cls(**facts)
+
+    @classmethod
     def read(cls, head_path) -> "TargetFacts":
         """The facts ``write`` left beside ``head_path``."""
         path = cls.json_path(head_path)
-        facts = json.loads(path.read_text())
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(facts) != names:
-            raise ValueError(f"{path} does not hold the target's facts this version writes (missing "
-                             f"{sorted(names - set(facts))}, unknown {sorted(set(facts) - names)}): delete it and "
-                             f"{Path(head_path).name}, and rerun (rule save_target_head writes both again)")
-        return cls(**facts)
+        return cls.from_dict(json.loads(path.read_text()), str(path), f"delete it and {Path(head_path).name}, and rerun "
+                             "(rule save_target_head writes both again)")
 
 
 def resolve_device(device="auto"):
@@ -231,11 +240,11 @@ def save_target_head(head_path, settings: HiddenSettings | None = None, *, model
     settings = settings or HiddenSettings.defaults()
     target, allow_load = settings.target, settings.backend == "transformers"
     config = model.config if model is not None else AutoConfig.from_pretrained(target)
-    info = {**target_info(config, settings.aux_layers), "target": str(target)}
+    facts = TargetFacts.of(config, settings.aux_layers, target)
     weights = None if model is not None else _head_weights_from_checkpoint(target, config)
     if weights is None and model is None and not allow_load:
         raise ValueError(f"{target}: no safetensors checkpoint with the language model's embed_tokens, norm and lm_head "
-                         f"tensors of the text config's sizes (vocabulary {info['vocab_size']}, hidden {info['hidden_size']}) "
+                         f"tensors of the text config's sizes (vocabulary {facts.vocab_size}, hidden {facts.hidden_size}) "
                          "was found, and hidden.backend vllm does not load the whole target into transformers; "
                          "check the checkpoint's model.safetensors.index.json, or use hidden.backend transformers")
     if weights is None:
@@ -249,16 +258,15 @@ def save_target_head(head_path, settings: HiddenSettings | None = None, *, model
     from ..util import save_safetensors
 
     save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
-    facts = TargetFacts(**info)
     facts.write(head_path)
     return facts
 
 
-def load_target_head(head_path, device="cpu"):
-    """``(tensors, info)`` saved by ``save_target_head`` (info: ``TargetFacts.to_dict()``)."""
+def load_target_head(head_path, device="cpu") -> tuple[dict, TargetFacts]:
+    """``(tensors, facts)`` saved by ``save_target_head``."""
     from safetensors.torch import load_file
 
-    return load_file(str(head_path), device=str(device)), TargetFacts.read(head_path).to_dict()
+    return load_file(str(head_path), device=str(device)), TargetFacts.read(head_path)
 
 
 # ----------------------------------------------------------------------------- running it

@@ -222,8 +222,8 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     saved, dcfg, info, _ = load_checkpoint(checkpoint_path)
     diffs = []
     ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
-    if ids != list(info["aux_layers"]):
-        diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info['aux_layers']}")
+    if ids != list(info.aux_layers):
+        diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info.aux_layers}")
     if bool(config_value(config, "norm_before_residual")) != bool(dcfg.norm_before_residual):
         shown = raw.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
         diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
