@@ -4,9 +4,11 @@ do on demand: answer a fixed number of requests and then die, or count exactly w
 asked for. Its states are a deterministic function of the token ids (seeded noise), so files mode
 (shards written by ``extract_hidden_vllm`` from the same stub) and stream mode see the same numbers:
 the checkpoints must then be bit-identical, the batches being the same in the same order."""
+import asyncio
 import json
 import os
 import random
+import time
 import zlib
 
 import pytest
@@ -18,7 +20,9 @@ from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.train import train_draft
 from eaglenest.draft.vocab import build_vocab
 from eaglenest.serving.connector import storage_dir
+from eaglenest.states import stream as stream_mod
 from eaglenest.states.extract import ExtractError, extract_hidden_vllm
+from eaglenest.states.stream import open_stream
 from eaglenest.states.target import save_target_head
 from eaglenest.settings import DraftSettings, HiddenSettings
 from tests.support.config import TOY_TARGET
@@ -175,3 +179,47 @@ def test_two_streaming_ranks_equal_one_process_accumulating_two(data, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     assert list(storage.iterdir()) == []
+
+
+class SlowStub(SeededStub):
+    """Takes ``delay`` seconds over each request before it writes the file, as a real server that is
+    still busy with a request when training stops."""
+
+    def __init__(self, *args, delay, **kw):
+        super().__init__(*args, **kw)
+        self.delay = delay
+
+    async def completions(self, request):
+        await request.read()  # the request is in (aiohttp keeps the body for the handler below)
+        await asyncio.sleep(self.delay)
+        return await super().completions(request)
+
+
+def _state_files(storage):
+    return sorted(p.name for p in storage.iterdir() if not p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_closing_the_stream_mid_run_leaves_no_state_file_behind(data, tmp_path, monkeypatch, drain):
+    """Training stops (max_steps, an error) with requests in flight: close() finishes them and deletes
+    their files, so none lands after it. Dropping them instead (``drain`` False: no wait) leaves the files
+    the server writes afterwards, which is what this test must see fail. A killed server's half-written
+    ``.tmp`` of this process's requests is removed at the start."""
+    monkeypatch.setattr(stream_mod, "DRAIN_SECONDS", 60 if drain else 0)
+    storage = storage_dir(tmp_path / "states")
+    half = storage / f"cmpl-{stream_mod.PREFIX}r0-7-0.safetensors.tmp"
+    half.write_bytes(b"half a file")
+    with SlowStub(storage, 4, 128, delay=0.4) as stub:
+        states = open_stream(_spec(data, stub, storage=str(storage), cache_dir=str(tmp_path / "cache")))
+        assert not half.exists()
+        states.follow(range(len(states)))
+        assert states[0]["aux_hidden"].shape[0] == states.length(0)
+        time.sleep(0.1)  # the next requests are in flight
+        states.close()
+        left_at_close = _state_files(storage)
+        time.sleep(1.0)  # what the server still writes after close() returned
+        left_later = _state_files(storage)
+    if drain:
+        assert left_at_close == [] and left_later == [], (left_at_close, left_later)
+    else:
+        assert left_later, "requests dropped in flight still have their files written"

@@ -445,11 +445,14 @@ class StatesClient:
         return aux, last
 
     def remove_orphans(self, prefix):
-        """Per-request files whose request id starts with ``prefix`` (their client is gone)."""
+        """Per-request files whose request id starts with ``prefix`` (their client is gone), and the
+        ``.tmp`` of a write a killed server left half done."""
         for p in glob.glob(str(self.storage / (glob.escape(prefix) + "*"))) + \
                 glob.glob(str(self.storage / ("cmpl-" + glob.escape(prefix) + "*"))):
             if p.endswith(".safetensors"):
                 remove_states(p)
+            elif p.endswith(".safetensors.tmp"):
+                remove_states(p[: -len(".tmp")])
 
 
 def greedy_tokens(answer, n) -> torch.Tensor:

@@ -34,6 +34,7 @@ from .extract import ExtractError, StatesClient
 from .hidden import shard_sequences
 
 PREFIX = "eaglenest-stream-"  # request ids of stream mode's requests (and their per-request files)
+DRAIN_SECONDS = 60  # close() waits this long at most for the requests in flight
 
 
 class StreamedStates:
@@ -132,9 +133,12 @@ class StreamedStates:
         self.thread.start()
 
     def close(self):
+        """Stop fetching: the requests in flight are finished and their files read and deleted (a request
+        dropped instead would still have its file written by the server, after the clean-up below), then
+        the files of this process's requests and the cache are removed."""
         self.stopping.set()
         if self.thread is not None:
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=DRAIN_SECONDS + 30)
         self.client.remove_orphans(self.prefix)
         if self.cache_dir is not None:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
@@ -199,6 +203,8 @@ class StreamedStates:
                     tasks.add(asyncio.ensure_future(self._fetch(session, loop, pos, k, need)))
                 await self._wait_until(lambda: not tasks, tasks)
             finally:
+                if tasks and self.stopping.is_set():  # close(): finish them, so no file lands after it
+                    await asyncio.wait(tasks, timeout=DRAIN_SECONDS)
                 for t in list(tasks):
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
