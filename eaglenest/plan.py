@@ -34,6 +34,11 @@ def shard_bytes_per_token(hidden_size: int) -> int:
     return bytes_per_token(hidden_size)
 
 
+def gpus_text(n: int) -> str:
+    """``n`` GPU(s) in words: "1 GPU", "8 GPUs"."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 def stage_gpus(config: dict, section: str, has_gpu: bool) -> int:
     """GPUs of one job of a config section (hidden, train, validate): `<section>.gpus` when set.
     Unset, under server.mode slurm they follow the server job's GPUs (server.slurm.gpus, else
@@ -311,13 +316,13 @@ def stage_plan(config: dict, has_gpu: bool) -> dict:
             return f"{len(s['urls'])} external {what}(s) at server.urls, none started here"
         where = "SLURM job" if s["mode"] == "slurm" else "local " + what
         cpu = "" if has_gpu or s["mode"] == "slurm" else " (no GPU on this machine: vLLM runs on its CPU)"
-        return f"{n} {where}(s) x {per} GPUs = {n * per} GPUs{cpu}"
+        return f"{n} {where}(s) x {gpus_text(per)} = {gpus_text(n * per)}{cpu}"
 
     extraction = (servers("extraction server") if h["backend"] == "vllm" else
-                  f"{stage_gpus(config, 'hidden', has_gpu)} GPUs per extract_hidden job (transformers)")
+                  f"{gpus_text(stage_gpus(config, 'hidden', has_gpu))} per extract_hidden job (transformers)")
     return {"generate_traces": servers("server"), "extract_hidden": extraction,
-            "train_draft": f"{stage_gpus(config, 'train', has_gpu)} GPUs",
-            "validate_draft": f"{stage_gpus(config, 'validate', has_gpu)} GPUs (one server at a time)"}
+            "train_draft": gpus_text(stage_gpus(config, 'train', has_gpu)),
+            "validate_draft": f"{gpus_text(stage_gpus(config, 'validate', has_gpu))} (one server at a time)"}
 
 
 def human_bytes(n: float) -> str:
@@ -377,8 +382,8 @@ def format_plan(p: Plan) -> str:
         known = [(sec, gpus) for sec, gpus, _ in p.stages.values() if sec is not None]
         overlap = p.stages["extraction"][0] if p.mode == "stream" and p.stages["extraction"][0] else 0
         for stage, (sec, gpus, how) in p.stages.items():
-            hours = f"about {human_seconds(sec)}, {sec * gpus / 3600:,.1f} GPU-hours ({gpus} GPUs)" if sec is not None \
-                else f"not estimated ({gpus} GPUs)"
+            hours = f"about {human_seconds(sec)}, {sec * gpus / 3600:,.1f} GPU-hours ({gpus_text(gpus)})" if sec is not None \
+                else f"not estimated ({gpus_text(gpus)})"
             lines.append(f"  time, {stage}: {hours}: {how}")
         if len(known) == len(p.stages):
             lines.append(f"  time, all stages: about {human_seconds(sum(s for s, _ in known) - overlap)}, "

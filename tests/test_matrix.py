@@ -119,3 +119,17 @@ def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
     assert page.index("Acceptance by evaluation set and temperature") < page.index("<h2>Summary")
     assert len(pd.read_csv(tmp_path / "v.csv")) == len(r["matrix"]["cells"])
     assert json.loads((tmp_path / "v.json").read_text())["matrix"]["temperatures"] == [0.0, 1.0]
+
+
+def test_a_sequence_without_prompt_tokens_has_no_score_rather_than_nan():
+    """An answer recorded without its prompt ids (``prompt_token_ids`` null) has no log-probability for its
+    first token: None, as the served scores give, not the NaN of an empty mean."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eaglenest.validation.lossless import sequence_scores
+    from tests.support.config import TOY_TARGET
+
+    model = AutoModelForCausalLM.from_pretrained(TOY_TARGET, dtype=torch.float32)
+    got = sequence_scores(model, [([], [5, 6, 7]), ([4, 5], [6, 7]), ([4, 5], [])])
+    assert got[0] is None and got[2] is None and got[1] < 0

@@ -74,10 +74,10 @@ def test_replicas_and_the_gpus_each_stage_holds(tmp_path):
     gpus = make_plan(slurm, tmp_path, has_gpu=False).gpus
     assert gpus["generate_traces"] == "4 SLURM job(s) x 8 GPUs = 32 GPUs"
     assert gpus["extract_hidden"] == gpus["generate_traces"]
-    assert gpus["train_draft"] == "1 GPUs" and gpus["validate_draft"].startswith("8 GPUs")
+    assert gpus["train_draft"] == "1 GPU" and gpus["validate_draft"].startswith("8 GPUs")
     llama = preset("llama-3.1-8b-instruct.yaml")
     llama["server"]["replicas"] = 8
-    assert make_plan(llama, tmp_path, has_gpu=True).gpus["generate_traces"] == "8 local server(s) x 1 GPUs = 8 GPUs"
+    assert make_plan(llama, tmp_path, has_gpu=True).gpus["generate_traces"] == "8 local server(s) x 1 GPU = 8 GPUs"
 
 
 def test_a_local_dataset_is_counted_and_prepared_prompts_are_read(tmp_path):
@@ -172,5 +172,5 @@ def test_each_stage_has_a_time_and_gpu_hours_from_the_stated_rates(tmp_path):
     from eaglenest.plan import human_seconds
     assert f"time, all stages: about {human_seconds(total)}" in format_plan(stream)
     unknown = make_plan(changed(config, "plan", "train_tokens_per_s", None), tmp_path, has_gpu=True)
-    assert "time, training: not estimated (1 GPUs): set plan.train_tokens_per_s" in format_plan(unknown)
+    assert "time, training: not estimated (1 GPU): set plan.train_tokens_per_s" in format_plan(unknown)
     assert "time, all stages" not in format_plan(unknown)

@@ -47,11 +47,12 @@ _CHUNK = 2_000  # relabellings drawn at once (memory: CHUNK x the set's requests
 @torch.no_grad()
 def sequence_scores(model, sequences) -> list[float | None]:
     """Mean log-probability per completion token under ``model`` (a transformers CausalLM, raw
-    logits: the T=1 distribution) of each ``(prompt_ids, completion_ids)``; None for an empty completion."""
+    logits: the T=1 distribution) of each ``(prompt_ids, completion_ids)``; None for an empty completion
+    or prompt (the first token of a sequence has no log-probability), as ``served_scores``."""
     device = next(model.parameters()).device
     out = []
     for prompt, completion in sequences:
-        if not completion:
+        if not completion or not prompt:
             out.append(None)
             continue
         ids = torch.tensor([list(prompt) + list(completion)], device=device)
