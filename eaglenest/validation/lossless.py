@@ -68,6 +68,7 @@ def served_scores(url: str, model: str, sequences, *, api_key=None, concurrency:
     ``prompt_logprobs: 0`` (vLLM's log-probability of each prompt token under the raw logits, the T=1
     distribution), the completion's positions averaged. For a target too large for transformers: the
     server validation already starts answers it."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlsplit
 
@@ -75,7 +76,12 @@ def served_scores(url: str, model: str, sequences, *, api_key=None, concurrency:
     from ..serving.probe import session
 
     parts = urlsplit(url)
-    http = session(f"{parts.scheme}://{parts.netloc}", api_key)
+    local = threading.local()  # one requests.Session per thread: a Session is not documented as thread-safe
+
+    def http():
+        if not hasattr(local, "session"):
+            local.session = session(f"{parts.scheme}://{parts.netloc}", api_key)
+        return local.session
 
     def one(seq):
         prompt, completion = list(seq[0]), list(seq[1])
@@ -83,7 +89,7 @@ def served_scores(url: str, model: str, sequences, *, api_key=None, concurrency:
             return None
         body = {"model": model, "prompt": prompt + completion, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
         try:
-            resp = http.post(f"{url}/v1/completions", json=body, timeout=timeout)
+            resp = http().post(f"{url}/v1/completions", json=body, timeout=timeout)
             resp.raise_for_status()
             rows = resp.json()["choices"][0]["prompt_logprobs"]
         except (OSError, ValueError, KeyError, IndexError) as e:
