@@ -8,6 +8,7 @@ training run is a copy of that directory (mtimes kept, so nothing upstream rerun
 training settings."""
 import csv
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -101,6 +102,7 @@ def test_the_rules_torchrun_branch_with_two_cpu_processes(straight, copy_of):
     run_snakemake(wd, CHECKPOINT)
     log = (wd / "logs/train_draft.log").read_text()
     assert "torch.distributed.run" in log and "--nproc_per_node=2" in log, log[-2000:]
+    assert re.search(r"train_draft: \d+ steps, \d+ tokens", log), "the torchrun processes' own output is in the log"
     assert _curve(straight) == _curve(wd)
     a, b = load_checkpoint(straight / CHECKPOINT)[0], load_checkpoint(wd / CHECKPOINT)[0]
     # Two processes sum their gradients in another order than one: float32 rounding, which Adam's

@@ -577,7 +577,8 @@ def train_in_processes(nproc: int, hidden_paths, vocab_path, out_path, metrics_p
            "--out", out_path, "--metrics", metrics_path, "--state-dir", state_dir, "--snapshots", *snapshot_paths,
            "--config", json.dumps(config), "--device", device, *(["--stream", json.dumps(stream)] if stream else [])]
     say("launching: " + " ".join(cmd))
-    return subprocess.run(cmd).returncode
+    # sys.stdout, not the inherited descriptors: a rule script's output goes to its log (logs.to_log)
+    return subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr).returncode
 
 
 def main(argv=None):
