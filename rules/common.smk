@@ -91,11 +91,12 @@ if VLLM_HIDDEN and workflow.is_main_process:
 if STREAM and not VLLM_HIDDEN:
     raise WorkflowError("hidden.mode: stream takes the states from the vLLM extraction server: set hidden.backend: vllm "
                         "(or hidden.mode: files to use the transformers backend)")
-if STREAM and {"node": "local", "slurm": "slurm"}[HIDDEN.placement] != config["server"]["mode"]:
+PLACEMENT_MODE = {"node": "local", "slurm": "slurm"}[HIDDEN.placement]  # the server.mode hidden.stream.placement needs
+if STREAM and PLACEMENT_MODE != config["server"]["mode"]:
     raise WorkflowError(
-        f"hidden.stream.placement: {HIDDEN.placement} needs server.mode: "
-        f"{ {'node': 'local', 'slurm': 'slurm'}[HIDDEN.placement]} (it is {config['server']['mode']!r}): "
-        "node runs the extraction server beside the trainer, slurm as its own SLURM job; make the two agree")
+        f"hidden.stream.placement: {HIDDEN.placement} needs server.mode: {PLACEMENT_MODE} (it is "
+        f"{config['server']['mode']!r}): node runs the extraction server beside the trainer, slurm as its own SLURM "
+        "job; make the two agree")
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
