@@ -213,6 +213,10 @@ up() {
 
     # A job runs end to end (controller -> slurmd -> process and back).
     timeout 60 srun --quiet -N1 -n1 -t 1 true || fail "srun of a trivial job failed on node $HOST ($state)"
+    # srun returns before the controller has seen the job's end: the node stays 'completing' a moment
+    # (one CI run's sinfo saw it). A fresh cluster is handed over idle, so the first job need not wait.
+    deadline=$((SECONDS + 30))
+    while state=$(node_state); [[ $state == completing ]] && ((SECONDS < deadline)); do sleep 0.2; done
     say "cluster up in $DIR: node $HOST $state, partition $(sinfo -h -o %P | head -n 1), $((SECONDS - t0)) s"
     echo "SLURM_CONF=$CONF"
     echo "STARTED=yes"
