@@ -111,6 +111,7 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seqs", type=int, default=2000, help="toy prompts answered (those of at most 128 tokens are kept)")
     p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per step (the toy's schedule: 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
     p.add_argument("--cpu-fp8", action="store_true", help="CPU: the FP8 run forced on (a plumbing check)")
@@ -121,7 +122,7 @@ def main():
 
         train_mod.resolve_fp8 = lambda setting, device, capability=None: bool(setting)
     # the toy's schedule (config.yaml), at --ttt TTT steps
-    config = {"max_steps": a.steps, "batch_tokens": 4096, "lr": 0.001, "warmup_steps": min(20, a.steps // 10),
+    config = {"max_steps": a.steps, "batch_tokens": a.batch_tokens, "lr": 0.001, "warmup_steps": min(20, a.steps // 10),
               "ttt_length": a.ttt, "seed": a.seed, "log_every": 10}
     root = Path(tempfile.mkdtemp(prefix="fp8-accuracy-"))
     try:

@@ -28,7 +28,7 @@ def test_benchmark_runs_at_tiny_sizes(args, tmp_path):
 
 
 def test_fp8_accuracy_runs_at_tiny_sizes_with_fp8_forced_on_the_cpu(tmp_path):
-    args = ["benchmarks/fp8_accuracy.py", "--cpu-fp8", "--steps", "4", "--seqs", "16", "--ttt", "2", "--out", str(tmp_path)]
+    args = ["benchmarks/fp8_accuracy.py", "--cpu-fp8", "--steps", "4", "--seqs", "16", "--ttt", "2", "--batch-tokens", "256", "--out", str(tmp_path)]
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]), "TMPDIR": str(tmp_path)})
     summary = [line for line in out.stdout.splitlines() if line.startswith("SUMMARY ")]
