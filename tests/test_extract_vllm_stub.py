@@ -9,6 +9,7 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -50,15 +51,18 @@ class StubExtractionServer:
     ``corrupt(ids) -> ids`` may change the token ids it writes; ``outside`` writes elsewhere;
     ``no_logprobs`` answers without ``prompt_logprobs`` (a server that ignores the field)."""
 
-    def __init__(self, storage, layers, hidden, corrupt=None, outside=None, no_logprobs=False):
+    def __init__(self, storage, layers, hidden, corrupt=None, outside=None, no_logprobs=False, busy=0):
         self.storage, self.layers, self.hidden = storage, layers, hidden
         self.corrupt, self.outside, self.requests, self.no_logprobs = corrupt, outside, 0, no_logprobs
+        self.busy = busy  # the first `busy` requests are answered 503 with Retry-After: 0 (vLLM overloaded)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def completions(self, request):
         body = await request.json()
         self.requests += 1
+        if self.requests <= self.busy:
+            return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "0"})
         ids = list(body["prompt"])
         rid = request.headers.get("X-Request-Id", "x")
         path = (self.outside or self.storage) / f"cmpl-{rid}-0.safetensors"
@@ -149,6 +153,18 @@ def test_matching_files_pack_into_a_complete_shard(tmp_path, head):
     # the rank-1 token of each prompt position, not the prompt token listed first, and the generated one last
     assert shard["target_next"].dtype == torch.int32
     assert shard["target_next"].tolist() == stub_greedy(shard["input_ids"].tolist())
+
+
+def test_a_busy_server_is_retried_after_what_its_retry_after_says(tmp_path, head):
+    """Retry-After: 0 on each 503; with a 30 s back-off, ignoring it would wait 15-30 s per retry."""
+    storage = storage_dir(tmp_path / "states")
+    settings = HiddenSettings.defaults().replace(max_length=64, concurrency=2, max_retries=3, backoff_base=30.0)
+    with StubExtractionServer(storage, 4, 128, busy=4) as stub:
+        t0 = time.monotonic()
+        stats = extract_hidden_vllm([_traces(tmp_path / "traces.jsonl")], tmp_path / "shard_0.safetensors", settings,
+                                    url=stub.url, model="toy", head_path=head[0], storage=stub.storage, progress=False)
+        elapsed = time.monotonic() - t0
+    assert stats["sequences"] == 6 and stub.requests == 10 and elapsed < 10, (stats, stub.requests, elapsed)
 
 
 def test_an_answer_without_prompt_logprobs_is_refused_naming_the_trace(tmp_path, head):

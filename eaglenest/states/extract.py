@@ -354,6 +354,7 @@ class StatesClient:
         while attempt <= self.retry.max_retries:
             attempt += 1
             req_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
+            retry_after = None
             url = self.pick()
             self.in_flight[url] += 1
             try:
@@ -364,6 +365,7 @@ class StatesClient:
                         answer = await r.json(content_type=None)
                         break
                     what = f"HTTP {r.status}: {raw[:500].decode('utf-8', 'replace')}"
+                    retry_after = r.headers.get("Retry-After")
                     if r.status in (401, 403):
                         raise ExtractError(f"{where}: the extraction server at {self.url} refused the "
                                            f"request ({what}){auth_hint(r.status, self.api_key)}")
@@ -381,7 +383,7 @@ class StatesClient:
                 raise ExtractError(
                     f"{where}: the extraction server at {self.url} stopped answering ({what}) after "
                     f"{sent} sequences sent by this run; {kept}")
-            await asyncio.sleep(self.retry.delay(attempt))
+            await asyncio.sleep(self.retry.delay(attempt, retry_after))
         path = ((answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}).get("hidden_states_path")
         if not path:
             raise ExtractError(f"{where}: the server at {self.url} answered trace {rid!r} without "
