@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 def test_workflow_runs_through_slurm_up_to_the_draft(tmp_path, cluster):
     wd = tmp_path / "wf"
-    cfg = write_config(wd, dataset={"limit": 24, "heldout": 4},
+    # One shard: each SLURM job costs ~33 s here (the executor's status checks back off by 10 s), and a
+    # second shard adds two jobs that show nothing the first does not.
+    cfg = write_config(wd, dataset={"limit": 24, "heldout": 4}, shards=1,
                  server={"mode": "slurm", "slurm": {"cpus": 1, "mem": "3G", "gpus": 0, "time": "30:00"}},
                  train={"max_steps": 10, "batch_tokens": 2048, "save_every": 5},
                  hidden={"dtype": "float32", "max_length": 512})
