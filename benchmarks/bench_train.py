@@ -40,6 +40,15 @@ SIZES = {  # hidden, intermediate, heads, kv heads, vocab
 }
 
 
+def draft_config(size):
+    """The draft of a ``SIZES`` target: its widths, a draft vocabulary of min(32000, V / 2)."""
+    H, I, nh, nkv, V = SIZES[size]
+    return DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
+                       head_dim=H // nh, target_vocab_size=V, draft_vocab_size=min(32000, V // 2), target_hidden_size=H,
+                       rms_norm_eps=1e-5, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
 def timed(fn, iters, dev):
     ts = []
     for _ in range(iters):
@@ -150,12 +159,9 @@ def main():
     rows = []
     for size in ["tiny"] if a.small else a.sizes:
         H, I, nh, nkv, V = SIZES[size]
-        DV = min(32000, V // 2)
         T = 128 if a.small else a.seq
-        cfg = DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
-                          head_dim=H // nh, target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H,
-                          rms_norm_eps=1e-5, max_position_embeddings=131072,
-                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        cfg = draft_config(size)
+        DV = cfg.draft_vocab_size
         model = Eagle3Draft(cfg, runtime=Runtime.from_config(run)).to(dev)
         if run["freeze_lm_head"]:
             model.lm_head.weight.requires_grad_(False)

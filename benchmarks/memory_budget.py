@@ -22,31 +22,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import SIZES  # noqa: E402
+from bench_train import draft_config  # noqa: E402
 
-from eaglenest.draft.config import DraftConfig  # noqa: E402
 from eaglenest.draft.fp8 import fp8_module  # noqa: E402
 from eaglenest.draft.model import Eagle3Draft  # noqa: E402
 
 GIB = 2**30
-DRAFT_VOCAB = 32000
-
-
-def draft_on_meta(size):
-    H, I, nh, nkv, V = SIZES[size]
-    cfg = DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
-                      head_dim=H // nh, target_vocab_size=V, draft_vocab_size=min(DRAFT_VOCAB, V // 2),
-                      target_hidden_size=H, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    with torch.device("meta"):
-        return Eagle3Draft(cfg), cfg
 
 
 def budget(size):
-    """{part: (ours bytes, peer bytes)} for ``size``."""
-    model, cfg = draft_on_meta(size)
-    trained = {n: p.numel() for n, p in model.named_parameters() if not n.startswith("lm_head.")}
-    n_trained = sum(trained.values())
+    """{part: (ours bytes, peer bytes)} for ``size``, and the number of trained parameters."""
+    cfg = draft_config(size)
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg)
+    n_trained = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("lm_head."))
     fp8_cached = sum(m.weight.numel() for n, m in model.named_modules()
                      if fp8_module(m, n) and n.startswith("midlayer."))  # fp8.weight_casts: midlayer only
     head = cfg.draft_vocab_size * cfg.hidden_size
