@@ -8,13 +8,15 @@ and 10, with the number of graphs dynamo compiled (one per TTT length, not one p
 later steps run at the scored chains only (``skip_unscored``; a second batch with another number of
 chains must compile nothing new). On CPU only the uncompiled variants run.
 Then the target distribution from the shard's greedy tokens (only the draft rows of the head) against
-the full-vocabulary one, in bf16 at Kimi-K2.5's head size on CUDA (tiny on CPU), with both timed.
+the full-vocabulary one, in bf16 at Kimi-K2.5's head size on CUDA (tiny on CPU), with both timed,
+and the fused loss with the frozen head in FP8 against it in bf16 at the same size (FP8 GPUs only).
 
     python benchmarks/gpu_check.py
 """
 
 import json
 import sys
+import time
 
 import torch
 
@@ -42,12 +44,25 @@ def run(model, variant, ids, aux, targets, ttt, autocast):
     return loss.detach().float(), stats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def timed_ms(fn, dev):
+    """fn's result and the median of 5 timed calls after one untimed, in milliseconds."""
+    fn()
+    ts = []
+    for _ in range(5):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return out, sorted(ts)[len(ts) // 2]
+
+
 def check_target_distribution(dev):
     """train.target_distribution with target_next (the draft rows of the head, [Vd, H]) against the
     full-vocabulary path, bf16 as on CUDA: same argmax and in_draft, probs up to the matmul's rounding;
     milliseconds of each at 2048 loss rows."""
-    import time
-
     H, V, DV, N = (7168, 163840, 32000, 2048) if dev == "cuda" else (256, 4096, 1024, 256)
     g = torch.Generator(device=dev).manual_seed(3)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -59,23 +74,10 @@ def check_target_distribution(dev):
     t2d[draft_ids] = True
     draft_head = head[draft_ids].contiguous()
 
-    def timed_ms(fn):
-        fn()
-        ts = []
-        for _ in range(5):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return out, sorted(ts)[len(ts) // 2]
-
-    full, full_ms = timed_ms(lambda: target_distribution(last, mask, head, draft_ids, t2d))
+    full, full_ms = timed_ms(lambda: target_distribution(last, mask, head, draft_ids, t2d), dev)
     nxt = torch.zeros(1, N, dtype=torch.int32, device=dev)
     nxt.view(-1)[full["rows"]] = full["argmax"].to(torch.int32)  # what extraction stores
-    fast, fast_ms = timed_ms(lambda: target_distribution(last, mask, draft_head, draft_ids, t2d, target_next=nxt))
+    fast, fast_ms = timed_ms(lambda: target_distribution(last, mask, draft_head, draft_ids, t2d, target_next=nxt), dev)
     r = {"target_distribution": f"H {H}, V {V}, Vd {DV}, {N} rows, {dtype}",
          "rel_probs": rel(fast["probs"], full["probs"]),
          "max_abs_probs": float((fast["probs"] - full["probs"]).abs().max()),
@@ -84,6 +86,38 @@ def check_target_distribution(dev):
          "head_gib_full_vs_draft": [round(head.numel() * head.element_size() / 2**30, 2),
                                     round(draft_head.numel() * draft_head.element_size() / 2**30, 2)]}
     r["ok"] = bool(r["same_argmax_in_draft"] and r["rel_probs"] < 2e-2)
+    return r
+
+
+def check_fp8_head(dev):
+    """The compiled fused loss with a frozen head in FP8 (``losses.ttt_loss_fused(fp8=True)``, the
+    default on Hopper) against the same in bf16, at Kimi-K2.5's draft head (H 7168, Vd 32000) over 7
+    TTT steps of 2048 rows: loss and d loss / d hidden within FP8 precision, and the milliseconds of
+    each, forward and backward (tiny, not compiled, on CPU)."""
+    from eaglenest.draft.fp8 import resolve_fp8
+    from eaglenest.draft.losses import ttt_loss_fused
+
+    if not resolve_fp8("auto", dev):
+        return {"fp8_head": "off here (no FP8 GPU): not checked", "ok": True}
+    H, DV, T, J = 7168, 32000, 2048, 7
+    g = torch.Generator(device=dev).manual_seed(4)
+    head = (torch.randn(DV, H, device=dev, generator=g) * 0.02).bfloat16()
+    outs = [torch.randn(1, T, H, device=dev, generator=g).bfloat16().requires_grad_() for _ in range(J)]
+    rows = torch.arange(1, T, device=dev)
+    targets = {"rows": rows, "probs": torch.softmax(torch.randn(T - 1, DV, device=dev, generator=g) * 3, -1),
+               "argmax": torch.randint(0, DV, (T - 1,), device=dev, generator=g), "in_draft": torch.rand(T - 1, device=dev, generator=g) < 0.9}
+    draft_ids = torch.arange(DV, device=dev)
+
+    def step(fp8):
+        loss, _ = ttt_loss_fused(outs, head, draft_ids, targets, compiled=True, fp8=fp8)
+        return loss.detach(), torch.autograd.grad(loss, outs)
+
+    (l16, g16), ms16 = timed_ms(lambda: step(False), dev)
+    (l8, g8), ms8 = timed_ms(lambda: step(True), dev)
+    r = {"fp8_head": f"H {H}, Vd {DV}, {J} x {T - 1} rows", "rel_loss_vs_bf16": rel(l8, l16),
+         "rel_grad_vs_bf16": max(rel(a, b) for a, b in zip(g8, g16)), "finite": bool(torch.isfinite(l8) and all(torch.isfinite(x).all() for x in g8)),
+         "bf16_ms": round(ms16, 2), "fp8_ms": round(ms8, 2)}
+    r["ok"] = bool(r["finite"] and r["rel_loss_vs_bf16"] < 2e-2 and r["rel_grad_vs_bf16"] < 0.15)
     return r
 
 
@@ -229,10 +263,11 @@ def main():
     print(json.dumps(r), flush=True)
     if not r["ok"]:
         failures.append(r)
-    r = check_target_distribution(dev)
-    print(json.dumps(r), flush=True)
-    if not r["ok"]:
-        failures.append(r)
+    for check in (check_target_distribution, check_fp8_head):
+        r = check(dev)
+        print(json.dumps(r), flush=True)
+        if not r["ok"]:
+            failures.append(r)
     if failures:
         print("GPU CHECK FAILED: " + json.dumps(failures, default=str), flush=True)
         sys.exit(1)

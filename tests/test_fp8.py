@@ -127,3 +127,82 @@ def test_fp8_on_the_split_step_path_casts_each_weight_once_a_step_and_learns_lik
     for n, p in ref_grads.items():
         if p.grad is not None:
             assert rel(got_grads[n].grad, p.grad) < 0.2, n
+
+
+def test_a_frozen_lm_head_is_switched_and_a_trained_one_is_not():
+    trained = make_model(intermediate_size=48)
+    assert "lm_head" not in fp8.use_fp8(trained) and not getattr(trained.lm_head, "fp8", False)
+    frozen = make_model(intermediate_size=48)
+    frozen.lm_head.weight.requires_grad_(False)
+    assert fp8.use_fp8(frozen)[-1] == "lm_head" and frozen.lm_head.fp8
+
+
+def fused_loss_case(n=48, h=64, v=96, seed=0):
+    """One TTT step's rows (B=1, T=n, J=1) for ttt_loss_fused: bf16 hidden [1, n, h] and a frozen
+    bf16 head [v, h], targets with four rows outside the draft vocabulary (weight 0)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, n, h, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.3).bfloat16()
+    in_draft = torch.ones(n - 1, dtype=torch.bool)
+    in_draft[::12] = False
+    targets = {"rows": torch.arange(1, n), "probs": torch.softmax(torch.randn(n - 1, v, generator=g) * 2, -1) * 0.9,
+               "argmax": torch.randint(0, v, (n - 1,), generator=g), "in_draft": in_draft}
+    return hidden, weight, targets
+
+
+@pytest.fixture
+def eager_loss_kernels(monkeypatch):
+    """The compiled fused loss's kernels run eagerly (the same functions; compiling them on this CPU
+    costs a minute and the GPU check compiles them on the GPU)."""
+    from eaglenest.draft import losses
+
+    monkeypatch.setattr(losses, "_compiled_soft_ce_grad", lambda: losses._soft_ce_grad)
+    monkeypatch.setattr(losses, "_compiled_soft_ce_grad_fp8", lambda: losses._soft_ce_grad_fp8)
+    return losses
+
+
+def test_the_fp8_head_gives_the_bf16_loss_and_gradient_within_fp8_precision(eager_loss_kernels):
+    hidden, weight, targets = fused_loss_case()
+    draft_ids = torch.arange(weight.shape[0])
+    runs = {}
+    for use in (False, True):
+        loss, stats = eager_loss_kernels.ttt_loss_fused([hidden], weight, draft_ids, targets, compiled=True, fp8=use)
+        (grad,) = torch.autograd.grad(loss, hidden)
+        runs[use] = loss, stats, grad
+    (l16, s16, g16), (l8, s8, g8) = runs[False], runs[True]
+    assert torch.isfinite(l8) and torch.isfinite(g8).all()
+    assert 0 < abs(float((l8 - l16).detach())) / float(l16.detach()) < 0.02
+    assert 0 < rel(g8.float(), g16.float()) < 0.15  # e4m3 operands, an e5m2 gradient: ~2 significant digits
+    assert torch.equal(s8[:, 1], s16[:, 1]) and torch.equal(s8[:, 3], s16[:, 3])  # the same rows weighed and counted
+    # rows outside the draft vocabulary get no gradient, as in bf16
+    assert torch.equal(g8[0, :-1][~targets["in_draft"]], torch.zeros_like(g8[0, :-1][~targets["in_draft"]]))
+
+
+def test_a_trained_head_stays_bf16_in_the_fused_loss(eager_loss_kernels, monkeypatch):
+    hidden, weight, targets = fused_loss_case()
+    weight.requires_grad_()
+    monkeypatch.setattr(eager_loss_kernels, "_fp8_chunks", lambda *a: pytest.fail("a trained head went FP8"))
+    loss, _ = eager_loss_kernels.ttt_loss_fused([hidden], weight, torch.arange(weight.shape[0]), targets, compiled=True, fp8=True)
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    assert torch.isfinite(gw).all() and gw.abs().sum() > 0
+
+
+def test_the_e5m2_loss_gradient_stays_within_its_scale_and_is_zero_where_nothing_weighs():
+    from eaglenest.draft.losses import _soft_ce_grad, _soft_ce_grad_fp8
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(16, 80, generator=g) * 6).bfloat16()
+    p = torch.softmax(torch.randn(16, 80, generator=g), -1)
+    weight = torch.rand(16, generator=g)
+    weight[5] = 0
+    top = torch.finfo(fp8.E5M2).max
+    scale = top / weight.max()
+    ce, arg, g8 = _soft_ce_grad_fp8(logits, p, weight, scale)
+    ce16, arg16, g16 = _soft_ce_grad(logits.float(), p, weight)
+    assert g8.dtype == fp8.E5M2 and torch.equal(ce, ce16) and torch.equal(arg, arg16)
+    back = g8.float() / scale
+    assert torch.isfinite(back).all() and back.abs().max() <= weight.max() * (1 + 1e-6) and g8.float().abs().max() <= top
+    assert torch.equal(back[5], torch.zeros(80)) and rel(back, g16) < 0.15
+    # no row weighed at all (a batch with nothing in the draft vocabulary): zeros, not NaN
+    _, _, none = _soft_ce_grad_fp8(logits, p, torch.zeros(16), top / torch.zeros(()).clamp(min=1e-30))
+    assert torch.equal(none.float(), torch.zeros(16, 80))

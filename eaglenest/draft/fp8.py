@@ -10,13 +10,14 @@ input is kept for backward in e4m3 (half its bf16 bytes). Products that read the
 the MLP's gate/up) cast and keep it once (``layers.project``).
 
 Per-tensor scales rather than per-row: per-row scaling was slower than bf16 at the draft's shapes on
-an H200 (docs/fp8.md). Which products: fc (3·Ht -> H), q/k/v/o and the MLP's gate/up/down. Not
-lm_head: the loss multiplies by ``lm_head.weight`` itself (``losses.py``). Only Linears whose both
-dimensions are multiples of 16 (what FP8 matrix products need); a group runs in FP8 only when all its
-Linears do.
+an H200 (docs/fp8.md). Which products: fc (3·Ht -> H), q/k/v/o and the MLP's gate/up/down, and a
+frozen lm_head's two products in the compiled fused loss (logits and d loss / d hidden, ``head_fp8``;
+``losses.ttt_loss_fused``). Only Linears whose both dimensions are multiples of 16 (what FP8 matrix
+products need); a group runs in FP8 only when all its Linears do.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,9 @@ def fp8_module(module, name):
 def use_fp8(model):
     """Switch the draft's large Linears to FP8 products (``layers.project`` reads ``module.fp8``), in
     place, after ``model.to(device)`` and before the step is compiled. Each gets two empty buffers
-    (not saved) that a TTT step fills with the weight's e4m3 copy (``weight_casts``). -> the names."""
+    (not saved) that a TTT step fills with the weight's e4m3 copy (``weight_casts``). A frozen lm_head
+    is marked too (``fp8``): the compiled fused loss multiplies by it in e4m3 (``head_fp8``); a trained
+    one stays bf16 (its gradient would need a third, transposed product). -> the names."""
     switched = []
     for name, module in model.named_modules():
         if fp8_module(module, name):
@@ -72,6 +75,10 @@ def use_fp8(model):
             module.register_buffer(CAST, torch.empty(0, dtype=E4M3, device=module.weight.device), persistent=False)
             module.register_buffer(SCALE, torch.empty(0, device=module.weight.device), persistent=False)
             switched.append(name)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and not head.weight.requires_grad and head.in_features % 16 == 0 and head.out_features % 16 == 0:
+        head.fp8 = True
+        switched.append("lm_head")
     return switched
 
 
@@ -109,6 +116,33 @@ def _cast(t, dtype):
     amax = t.abs().amax().float().clamp(min=1e-12)
     scale = top / amax
     return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+class HeadCast(NamedTuple):
+    """A frozen lm_head [V, H] in e4m3, in both layouts ``_scaled_mm`` takes as its second operand."""
+
+    rows: torch.Tensor  # [V, H] row-major: ``rows.t()`` is the [H, V] of hidden @ W.T
+    cols: torch.Tensor  # [V, H] column-major (the same values): the [V, H] of d loss / d logits @ W
+    scale: torch.Tensor  # the inverse scale (float32 scalar)
+
+
+def head_fp8(weight):
+    """``weight`` [V, H] (frozen) cast to e4m3 once per loss call, for both of the loss's products.
+    Costs 2·V·H bytes while the loss runs (two layouts: ``_scaled_mm`` wants its second operand
+    column-major, and the two products read the head transposed to each other)."""
+    with torch.no_grad():
+        w8, inv = input_cast(weight)
+        return HeadCast(w8, w8.t().contiguous().t(), inv)
+
+
+def input_cast(t):
+    """``_cast(t, E4M3)`` (per-tensor scale), compiled on CUDA: one fused amax and cast."""
+    return (_compiled_input_cast() if t.is_cuda else _cast)(t, E4M3)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_input_cast():
+    return torch.compile(_cast, dynamic=False, fullgraph=True)
 
 
 def _rows_padded(t):

@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .fp8 import E5M2, head_fp8, input_cast
 from .ttt import GatherRows, ttt_loss_plan
 
 
@@ -66,14 +67,16 @@ class _LinearSoftCE(torch.autograd.Function):
     none are kept for backward (only d loss / d hidden [N, H] and d loss / d weight [V, H])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, probs, p_index, row_weight, chunk, need_h, need_w, compiled=False):
+    def forward(ctx, hidden, weight, probs, p_index, row_weight, chunk, need_h, need_w, compiled=False, fp8=False):
         w = weight.to(hidden.dtype)
         n = hidden.shape[0]
         ce = torch.empty(n, device=hidden.device, dtype=torch.float32)
         top = torch.empty(n, device=hidden.device, dtype=torch.int64)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
-        for s in range(0, n, chunk):
+        if fp8:  # a frozen head, compiled: both products in FP8
+            _fp8_chunks(hidden, w, probs, p_index, row_weight, chunk, ce, top, grad_h)
+        for s in range(0, 0 if fp8 else n, chunk):
             h = hidden[s : s + chunk]
             if compiled:  # one fused kernel set for the elementwise part; n is a multiple of chunk
                 ce[s : s + chunk], top[s : s + chunk], g = _compiled_soft_ce_grad()(h @ w.T, probs[p_index[s : s + chunk]], row_weight[s : s + chunk])
@@ -106,7 +109,29 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors  # scaled in place: no second copy of d loss / d weight
         gh = grad_h.mul_(g_loss.to(grad_h.dtype)) if grad_h is not None else None
         gw = grad_w.mul_(g_loss) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
+
+
+def _fp8_chunks(hidden, w, probs, p_index, row_weight, chunk, ce, top, grad_h):
+    """``_LinearSoftCE``'s compiled loop with a frozen head's two products in FP8: the head cast to
+    e4m3 once (``head_fp8``), each hidden chunk cast by one compiled amax and cast, the logits
+    ``_scaled_mm(h8, W8.T)`` in bf16, d loss / d logits written by the compiled loss kernel directly
+    in e5m2 (``_soft_ce_grad_fp8``: its scale is known ahead, no amax pass), and
+    d loss / d hidden = ``_scaled_mm(g8, W8)``. Fills ``ce``, ``top`` and ``grad_h`` (None: not
+    needed) in place; the rows are a multiple of ``chunk``."""
+    head = head_fp8(w)
+    # |d CE / d logits| = |softmax * sum(p) - p| <= 1 per element (p sums to at most 1), so a row's
+    # gradient is at most its weight: the largest weight lands on e5m2's largest value
+    top_g = torch.finfo(E5M2).max
+    g_max = row_weight.amax().float().clamp(min=1e-30)
+    g_scale, g_inv = top_g / g_max, g_max / top_g
+    kernel = _compiled_soft_ce_grad_fp8()
+    for s in range(0, hidden.shape[0], chunk):
+        h8, sh = input_cast(hidden[s : s + chunk])
+        logits = torch._scaled_mm(h8, head.rows.t(), scale_a=sh, scale_b=head.scale, out_dtype=hidden.dtype)
+        ce[s : s + chunk], top[s : s + chunk], g8 = kernel(logits, probs[p_index[s : s + chunk]], row_weight[s : s + chunk], g_scale)
+        if grad_h is not None:
+            grad_h[s : s + chunk] = torch._scaled_mm(g8, head.cols, scale_a=g_inv, scale_b=head.scale, out_dtype=hidden.dtype)
 
 
 def _soft_ce_grad(logits, p, row_weight):
@@ -120,16 +145,30 @@ def _soft_ce_grad(logits, p, row_weight):
     return ce, x.argmax(-1), g.to(logits.dtype)
 
 
+def _soft_ce_grad_fp8(logits, p, row_weight, g_scale):
+    """``_soft_ce_grad`` with d loss / d logits scaled by ``g_scale`` and written in e5m2 (what the
+    FP8 product takes; ``g_scale`` maps the largest possible value onto e5m2's largest)."""
+    ce, top, g = _soft_ce_grad(logits.float(), p, row_weight)
+    big = torch.finfo(E5M2).max  # the clamp only catches float rounding at the bound (no inf)
+    return ce, top, (g * g_scale).clamp(-big, big).to(E5M2)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_soft_ce_grad_fp8():
+    return torch.compile(_soft_ce_grad_fp8, dynamic=False, fullgraph=True)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_soft_ce_grad():
     # static shapes: ttt_loss_fused pads the rows to a multiple of the chunk, so one graph serves
     return torch.compile(_soft_ce_grad, dynamic=False, fullgraph=True)
 
 
-def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False):
+def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False, fp8=False):
     """``ttt_loss`` computed in one pass over all steps' rows (``_LinearSoftCE``): the same loss and
     stats, no logits kept for backward, no host synchronisation when ``targets["plan"]``
-    (``ttt_loss_plan``, made on the host) is given."""
+    (``ttt_loss_plan``, made on the host) is given. ``fp8`` (a head ``fp8.use_fp8`` marked):
+    compiled, with the head frozen, its two products run in FP8 (``_fp8_chunks``)."""
     J = len(outs)
     B, T, H = outs[0].shape
     plan = targets.get("plan")
@@ -152,7 +191,7 @@ def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=40
         pad = (-n) % chunk
         hidden = F.pad(hidden, (0, 0, 0, pad))
         loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], F.pad(p_index, (0, pad)),
-                                            F.pad(row_weight, (0, pad)), chunk, need_h, need_w, True)
+                                            F.pad(row_weight, (0, pad)), chunk, need_h, need_w, True, fp8 and not need_w)
         ce, top = ce[:n], top[:n]
     else:
         loss, ce, top = _LinearSoftCE.apply(hidden, lm_head_weight, targets["probs"], p_index, row_weight, chunk, need_h, need_w)

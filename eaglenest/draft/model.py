@@ -159,7 +159,8 @@ class Eagle3Draft(nn.Module):
         if targets is None:
             return outs
         if self.runtime.fused_loss:
-            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.runtime.compiled)
+            return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.runtime.compiled,
+                                  fp8=getattr(self.lm_head, "fp8", False))
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
