@@ -19,7 +19,7 @@ from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_l
 def find_target_config(model: str, workdir: Path) -> dict | None:
     """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache; a hub name
     not in the cache is fetched into it where the hub answers (``fetch_config``)."""
-    from .states.target import target_config  # imports torch: only where a plan is made
+    from .states.preflight import target_config
 
     local = workdir / model
     if (local / "config.json").is_file():

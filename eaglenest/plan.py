@@ -21,16 +21,14 @@ from .gguf import is_gguf
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
+from .states.preflight import bytes_per_token, target_config
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
 
 
 def shard_bytes_per_token(hidden_size: int) -> int:
-    """The shard's bytes per token (states.hidden.bytes_per_token, README "Disk per token"); imported
-    here, not at the top: the plan is printed at every start, and the states modules import torch."""
-    from .states.hidden import bytes_per_token
-
+    """The shard's bytes per token with the default three aux layers (README "Disk per token")."""
     return bytes_per_token(hidden_size)
 
 
@@ -90,8 +88,6 @@ def dataset_rows(path: str) -> int | None:
 def target_hidden_size(config: dict) -> tuple[int | None, str]:
     """The target's hidden size and where it was read: the target's config.json (a local directory or the
     Hugging Face cache) or GGUF metadata, else `plan.hidden_size` (a stand-in until the target's is here)."""
-    from .states.target import target_config
-
     model = config["hidden"]["target"] or config["server"]["model"]
     cfg = target_config(model) or {}
     h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")

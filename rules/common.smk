@@ -15,7 +15,7 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
-from eaglenest.states.extract import preflight_logits_memory
+from eaglenest.states.preflight import preflight_logits_memory
 from eaglenest.config import ConfigError, validate_config, write_resolved_config
 from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server

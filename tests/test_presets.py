@@ -14,15 +14,18 @@ import yaml
 
 from eaglenest.config import defaults, load_schema, validate_config
 from eaglenest.errors import ConfigError
+from eaglenest.gguf import is_gguf
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
 from eaglenest.settings import HiddenSettings, lookup
-from eaglenest.states.extract import check_logits_memory, preflight_logits_memory, target_vocab_size
+from eaglenest.states.preflight import check_logits_memory, preflight_logits_memory, target_vocab_size
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 THIS_MACHINE = {"smollm2-135m.yaml"}  # runs where it is started, CPU included: no SLURM variant
 SLURM_PRESETS = [p for p in PRESETS if p.name.endswith(".slurm.yaml")]
+# A GGUF target's config is read by transformers' GGUF loader, which imports torch (states/preflight.py)
+GGUF_PRESETS = [p for p in PRESETS if is_gguf(yaml.safe_load(p.read_text())["server"]["model"])]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 # What a SLURM variant may change of its one-node preset
 # (in stream mode the extraction server is its own job on its own node: its placement, and its full share)
@@ -38,13 +41,17 @@ def _no_gpu_env() -> dict:
     return {**env, "PATH": os.pathsep.join(path), "SBATCH_PARTITION": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-def dry_run(workdir: Path, *args) -> str:
+def dry_run(workdir: Path, *args, imports: list | None = None) -> str:
+    """The dry run's output; ``imports``, a list: filled with the top-level modules the run imported."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = _no_gpu_env()
+    env = _no_gpu_env() | ({"PYTHONPROFILEIMPORTTIME": "1"} if imports is not None else {})
     assert shutil.which("nvidia-smi", path=env["PATH"]) is None
     out = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(workdir), "-n", *args],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if imports is not None:  # "import time: self | cumulative | name" lines
+        imports += [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+        out.stderr = "\n".join(line for line in out.stderr.splitlines() if not line.startswith("import time:"))
     return out.stdout + out.stderr
 
 
@@ -66,25 +73,38 @@ def _get(d: dict, path):
 
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory):
-    """{preset name: (config the workflow resolved, dry-run output)}; SLURM variants through the SLURM profile."""
+    """{preset name: (config the workflow resolved, dry-run output, the modules it imported)}; SLURM variants
+    through the SLURM profile."""
     runs = {}
     for path in PRESETS:
         wd = tmp_path_factory.mktemp(path.stem.replace(".", "_"))
         args = ["--profile", str(ROOT / "profiles/slurm")] if path in SLURM_PRESETS else ["--cores", "1"]
-        out = dry_run(wd, "--configfile", str(path), *args)
-        runs[path.name] = yaml.safe_load((wd / "logs/config.resolved.yaml").read_text()), out
+        imports = []
+        out = dry_run(wd, "--configfile", str(path), *args, imports=imports)
+        runs[path.name] = yaml.safe_load((wd / "logs/config.resolved.yaml").read_text()), out, imports
     return runs
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_the_dry_run_prints_the_plan_before_any_job(path, resolved):
     """`snakemake -n` shows what the run will cost (eaglenest.plan; its figures: tests/test_plan.py)."""
-    cfg, out = resolved[path.name]
+    cfg, out, _ = resolved[path.name]
     d = cfg["dataset"]
     counted = (f"{d['generate']['questions'] - d['heldout']:,} (dataset.generate.questions" if d["generate"]["questions"]
                else f"{d['limit']:,} (dataset.limit")
     assert "eaglenest: plan:" in out and counted in out
     assert f"replicas: {cfg['server']['replicas']}" in out and "GPUs, generate_traces:" in out
+
+
+@pytest.mark.parametrize("path", [p for p in PRESETS if p not in GGUF_PRESETS], ids=lambda p: p.name)
+def test_the_dry_run_imports_no_torch(path, resolved):
+    """Snakemake parses the Snakefile, prints the plan and runs the checks at every start, SLURM jobs'
+    included: none of it needs torch, which would add about a second to each (benchmarks/RESULTS.md,
+    "Test suite"). Not for a GGUF target: transformers reads its config (GGUF_PRESETS)."""
+    assert GGUF_PRESETS  # the list this test leaves out is made from the presets, not empty by mistake
+    imports = resolved[path.name][2]
+    assert "eaglenest.plan" in imports and "eaglenest.states.preflight" in imports
+    assert "torch" not in imports, "a module the Snakefile imports pulls in torch: import it where a job needs it"
 
 
 def test_there_are_presets_with_slurm_variants():
@@ -99,7 +119,7 @@ def test_there_are_presets_with_slurm_variants():
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved):
     """No key a preset leaves out comes from config.yaml: it is the schema's default."""
-    cfg, out = resolved[path.name]
+    cfg, out, _ = resolved[path.name]
     preset = yaml.safe_load(path.read_text())
     assert cfg == validate_config(preset)
     embedded, schema = yaml.safe_load((ROOT / "config.yaml").read_text()), defaults()
@@ -153,7 +173,7 @@ def _dry_run_jobs(out: str) -> list[dict]:
 def test_a_slurm_preset_plans_its_gpus_and_partition_from_a_login_node(path, resolved, tmp_path):
     """No nvidia-smi on PATH and $SBATCH_PARTITION=cpu: every GPU rule still asks for its GPUs in the GPU
     partition, and so does the server's job (and the extraction server's, which shares its settings)."""
-    cfg, out = resolved[path.name]
+    cfg, out, _ = resolved[path.name]
     partition = cfg["server"]["slurm"]["partition"]
     if path.name.startswith("qwen3"):  # backend transformers too: its extract_hidden rule is a GPU rule
         files = tmp_path / "files.yaml"  # files mode (transformers has no stream), with shards this disk holds

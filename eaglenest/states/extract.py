@@ -46,8 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, EaglenestError
-from ..gpus import nvidia_smi
+from ..errors import EaglenestError
 from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, RETRY_STATUSES, RetryPolicy, auth_hint,
                               describe_client_error, open_session, run_workers)
 from ..serving.connector import read_states, remove_states
@@ -57,7 +56,7 @@ from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from ..vllm_facts import vllm_version
 from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
-from .target import TargetFacts, load_target_head, target_config
+from .target import TargetFacts, load_target_head
 
 BACKEND = "vllm"
 
@@ -96,61 +95,6 @@ def hidden_server_config(server: ServerConfig, hidden: HiddenSettings, facts: Ta
         extra_args=extraction_server_args(layer_ids(facts), storage, cfg.extra_args, vllm_version(cfg.python)),
         # stream mode reads from one server, which may share the trainer's GPUs: no replicas there
         replicas=1 if hidden.mode == "stream" else cfg.replicas)
-
-
-# vLLM makes a request's prompt logits at once, beyond its start-up memory profile (module docstring):
-# model-dtype logits plus float32 log-probs, about 6 bytes per prompt token and vocabulary entry.
-PROMPT_LOGIT_BYTES = 6
-
-
-def target_vocab_size(model: str) -> int | None:
-    """The target's vocabulary from its config.json (``target_config``); None when it is not here."""
-    config = target_config(model)
-    if config is None:
-        return None
-    # multimodal targets (Kimi-K2.5) keep the language model's keys under text_config
-    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-
-
-def gpu_memory_gib() -> float | None:
-    """Memory of this machine's smallest NVIDIA GPU in GiB (nvidia-smi); None without one."""
-    totals = [float(row[0]) / 1024 for row in nvidia_smi("--query-gpu=memory.total") if row and row[0]]
-    return min(totals) if totals else None
-
-
-def check_logits_memory(server: dict, hidden: HiddenSettings, vocab: int, gpu_gib: float) -> str:
-    """Refuse (ConfigError) an extraction-server memory share that leaves no room, outside vLLM's
-    share of a ``gpu_gib`` GPU, for the prompt logits of ``hidden.max_length`` tokens; else a one-line
-    summary. The share is ``hidden.vllm.gpu_memory_utilization``, else ``server.gpu_memory_utilization``,
-    else vLLM's default 0.9."""
-    key = "hidden.vllm.gpu_memory_utilization" if hidden.gpu_memory_utilization else "server.gpu_memory_utilization"
-    share = hidden.gpu_memory_utilization or server.get("gpu_memory_utilization") or 0.9
-    need = hidden.max_length * vocab * PROMPT_LOGIT_BYTES / 2**30
-    room = (1 - share) * gpu_gib
-    figure = (f"the prompt logits of hidden.max_length={hidden.max_length} tokens x {vocab:,} vocabulary x "
-              f"{PROMPT_LOGIT_BYTES} bytes = {need:.1f} GiB; {key}={share:g} leaves {room:.1f} GiB of a "
-              f"{gpu_gib:.1f} GiB GPU outside vLLM's share")
-    if need > room:
-        most = int((1 - need / gpu_gib) * 100) / 100
-        fix = (f"set hidden.vllm.gpu_memory_utilization to {most:.2f} or less" if most > 0 else
-               "no share is small enough on this GPU")
-        raise ConfigError(f"the extraction server would run out of GPU memory: {figure}. To fix it, {fix}, "
-                          f"or lower hidden.max_length (hidden.vllm.gpu_memory_gib: the GPU's memory, if it is not "
-                          f"{gpu_gib:.1f} GiB)")
-    return f"extraction memory: {figure}"
-
-
-def preflight_logits_memory(server: dict, hidden: HiddenSettings) -> str:
-    """``check_logits_memory`` with the GPU's memory (hidden.vllm.gpu_memory_gib, else nvidia-smi here) and
-    the target's vocabulary (``target_vocab_size``); a note saying why it was skipped when either is
-    unknown."""
-    gib, vocab = hidden.gpu_memory_gib or gpu_memory_gib(), target_vocab_size(server["model"])
-    if gib and vocab:
-        return check_logits_memory(server, hidden, vocab, gib)
-    unknown = [what for what, known in (("the GPU's memory (set hidden.vllm.gpu_memory_gib; no nvidia-smi here)", gib),
-                                         (f"the vocabulary of {server['model']} (no local config.json, not in "
-                                          f"the Hugging Face cache)", vocab)) if not known]
-    return f"extraction memory not checked: unknown {' and '.join(unknown)}"
 
 
 def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None = None, *, url, model, head_path,

@@ -44,6 +44,7 @@ import torch
 from ..errors import DiskSpaceError
 from ..settings import HiddenSettings
 from ..util import progress_bar, say
+from .preflight import estimate_bytes
 from .target import AuxCapture, decoder_of, greedy_next, load_target, target_info
 
 FORMAT = "eaglenest.hidden/1"
@@ -139,17 +140,6 @@ def shard_layout(seqs, *, aux_layers, hidden_size, target, max_length, **extra_m
 
 
 # ----------------------------------------------------------------------------- shard writing
-
-
-def bytes_per_token(hidden_size, num_aux=3) -> int:
-    """A shard's bytes per token: bf16 states of the aux layers and the last, the int64 token id, the
-    int32 next token and the bool mask (8*H + 13 with three aux layers)."""
-    return (num_aux + 1) * hidden_size * 2 + 8 + 4 + 1
-
-
-def estimate_bytes(num_tokens, num_seqs, hidden_size, num_aux=3) -> int:
-    """Bytes on disk of one shard (bytes_per_token a token, int64 offsets, ~header)."""
-    return num_tokens * bytes_per_token(hidden_size, num_aux) + (num_seqs + 1) * 8 + 4096
 
 
 def check_free_disk(needs: dict, what, hint="free space or lower max_length") -> None:

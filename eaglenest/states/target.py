@@ -13,14 +13,12 @@ layer ``i``, transformers' ``output_hidden_states[i]``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..gguf import is_gguf
 from ..settings import HiddenSettings
 from ..vllm_facts import choose_aux_layers
 
@@ -366,30 +364,3 @@ def chat_prompt_ids(tokenizer, messages, chat_template_kwargs=None) -> list[int]
     return list(ids)
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_config(path: str) -> dict:
-    """A GGUF file's config, read once a process (reading it takes seconds: benchmarks/RESULTS.md,
-    "Figures moved out of code comments"): the plan, the checks and the extraction-memory check each
-    ask for it before any job."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name).to_dict()
-
-
-def target_config(model: str) -> dict | None:
-    """The target's config.json: a local directory, else the Hugging Face cache ($HF_HOME /
-    $HF_HUB_CACHE; nothing is downloaded), or a GGUF file's metadata; None when none has it."""
-    if is_gguf(str(model)) and Path(model).is_file():
-        return dict(_gguf_config(str(Path(model).resolve())))
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            cached = try_to_load_from_cache(model, "config.json")
-        except ValueError:  # not a repo id either
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    return json.loads(path.read_text())
