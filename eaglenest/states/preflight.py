@@ -45,7 +45,7 @@ def target_config(model: str) -> dict | None:
     return json.loads(path.read_text())
 
 
-# vLLM makes a request's prompt logits at once, beyond its start-up memory profile (module docstring):
+# vLLM makes a request's prompt logits at once, beyond its start-up memory profile (states/extract.py, module docstring):
 # model-dtype logits plus float32 log-probs, about 6 bytes per prompt token and vocabulary entry.
 PROMPT_LOGIT_BYTES = 6
 
