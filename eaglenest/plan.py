@@ -27,11 +27,6 @@ from .states.preflight import bytes_per_token, target_config
 SUGGEST_STREAM_BYTES = 10**12
 
 
-def shard_bytes_per_token(hidden_size: int) -> int:
-    """The shard's bytes per token with the default three aux layers (README "Disk per token")."""
-    return bytes_per_token(hidden_size)
-
-
 def gpus_text(n: int) -> str:
     """``n`` GPU(s) in words: "1 GPU", "8 GPUs"."""
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
@@ -251,7 +246,7 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
     plan = Plan(prompts=prompts, prompts_source=source, max_tokens=g["max_tokens"], sequence_tokens=seq,
                 generated_tokens=prompts * g["max_tokens"] if prompts is not None else None,
                 state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
-                files_bytes=state_tokens * shard_bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
+                files_bytes=state_tokens * bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
                 stream_bytes=int(h["stream"]["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
                 replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
                 validation=validation_time(config))
@@ -341,7 +336,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  tokens: at most {p.generated_tokens:,} generated ({n} x generation.max_tokens {p.max_tokens:,}); "
                      f"at most {p.state_tokens:,} in the hidden states ({p.sequence_tokens:,} a sequence)")
     if p.files_bytes is not None:
-        per = shard_bytes_per_token(p.hidden_size)
+        per = bytes_per_token(p.hidden_size)
         lines.append(f"  hidden states, files mode: up to {human_bytes(p.files_bytes)} of shards ({per:,} B a token, "
                      f"hidden size {p.hidden_size} from {p.hidden_size_source}); free here: {human_bytes(p.free_bytes)}")
     else:

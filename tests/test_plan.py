@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from eaglenest.config import validate_config
-from eaglenest.plan import answers_fingerprint, format_plan, main, make_plan, shard_bytes_per_token
+from eaglenest.plan import answers_fingerprint, format_plan, main, make_plan
+from eaglenest.states.preflight import bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -59,7 +60,7 @@ def test_questions_the_target_writes_count_as_the_prompts_less_the_held_out(tmp_
 def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_path):
     files = changed(preset("kimi-k2.5-int4.yaml"), "hidden", "mode", "files")  # the preset streams: it must
     plan = make_plan(files, tmp_path, has_gpu=True)
-    assert shard_bytes_per_token(7168) == 57357  # the README's figure for Kimi-K2.5
+    assert bytes_per_token(7168) == 57357  # the README's figure for Kimi-K2.5
     assert plan.files_bytes > 5e12 and plan.suggest_stream
     text = format_plan(plan)
     assert " TB of shards" in text and "suggest hidden.mode: stream" in text

@@ -56,10 +56,15 @@ def resolve_fp8(setting, device, capability=None):
     return capable
 
 
+def _fp8_shaped(module):
+    """A Linear without bias whose both dimensions are multiples of 16 (what FP8 matrix products need)."""
+    return (isinstance(module, nn.Linear) and module.bias is None
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
 def fp8_module(module, name):
     """Whether ``use_fp8`` switches ``module`` (named ``name`` in the draft)."""
-    return (isinstance(module, nn.Linear) and module.bias is None and name in FP8_MODULES
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return name in FP8_MODULES and _fp8_shaped(module)
 
 
 def use_fp8(model):
@@ -76,7 +81,7 @@ def use_fp8(model):
             module.register_buffer(SCALE, torch.empty(0, device=module.weight.device), persistent=False)
             switched.append(name)
     head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Linear) and not head.weight.requires_grad and head.in_features % 16 == 0 and head.out_features % 16 == 0:
+    if head is not None and _fp8_shaped(head) and not head.weight.requires_grad:
         head.fp8 = True
         switched.append("lm_head")
     return switched

@@ -76,29 +76,8 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
         if fp8:  # a frozen head, compiled: both products in FP8
             _fp8_chunks(hidden, w, probs, p_index, row_weight, chunk, ce, top, grad_h)
-        for s in range(0, 0 if fp8 else n, chunk):
-            h = hidden[s : s + chunk]
-            if compiled:  # one fused kernel set for the elementwise part; n is a multiple of chunk
-                ce[s : s + chunk], top[s : s + chunk], g = _compiled_soft_ce_grad()(h @ w.T, probs[p_index[s : s + chunk]], row_weight[s : s + chunk])
-                if need_h:
-                    grad_h[s : s + chunk] = g @ w
-                if need_w:
-                    grad_w += (g.T @ h).float()
-                continue
-            logp = (h @ w.T).float()
-            top[s : s + chunk] = logp.argmax(-1)
-            logp -= logp.logsumexp(-1, keepdim=True)  # in place: one [chunk, V] fp32 buffer
-            p = probs[p_index[s : s + chunk]]
-            ce[s : s + chunk] = -torch.linalg.vecdot(p, logp)
-            if need_h or need_w:
-                # d CE / d logits = softmax * sum(p) - p, weighted per row
-                g = logp.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(row_weight[s : s + chunk, None])
-                del p, logp
-                g = g.to(hidden.dtype)
-                if need_h:
-                    grad_h[s : s + chunk] = g @ w
-                if need_w:
-                    grad_w += (g.T @ h).float()
+        else:
+            _chunks(hidden, w, probs, p_index, row_weight, chunk, compiled, ce, top, grad_h, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         loss = (ce * row_weight).sum()
         ctx.mark_non_differentiable(ce, top)
@@ -110,6 +89,35 @@ class _LinearSoftCE(torch.autograd.Function):
         gh = grad_h.mul_(g_loss.to(grad_h.dtype)) if grad_h is not None else None
         gw = grad_w.mul_(g_loss) if grad_w is not None else None
         return gh, gw, None, None, None, None, None, None, None, None
+
+
+def _chunks(hidden, w, probs, p_index, row_weight, chunk, compiled, ce, top, grad_h, grad_w):
+    """``_LinearSoftCE``'s loop in the head's dtype, ``chunk`` rows at a time: fills ``ce``, ``top``,
+    ``grad_h`` and adds into ``grad_w`` in place (None: not needed); compiled, the elementwise part is
+    one fused kernel set and the rows are a multiple of ``chunk``."""
+    for s in range(0, hidden.shape[0], chunk):
+        h = hidden[s : s + chunk]
+        if compiled:  # one fused kernel set for the elementwise part; n is a multiple of chunk
+            ce[s : s + chunk], top[s : s + chunk], g = _compiled_soft_ce_grad()(h @ w.T, probs[p_index[s : s + chunk]], row_weight[s : s + chunk])
+            if grad_h is not None:
+                grad_h[s : s + chunk] = g @ w
+            if grad_w is not None:
+                grad_w += (g.T @ h).float()
+            continue
+        logp = (h @ w.T).float()
+        top[s : s + chunk] = logp.argmax(-1)
+        logp -= logp.logsumexp(-1, keepdim=True)  # in place: one [chunk, V] fp32 buffer
+        p = probs[p_index[s : s + chunk]]
+        ce[s : s + chunk] = -torch.linalg.vecdot(p, logp)
+        if grad_h is not None or grad_w is not None:
+            # d CE / d logits = softmax * sum(p) - p, weighted per row
+            g = logp.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(row_weight[s : s + chunk, None])
+            del p, logp
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s : s + chunk] = g @ w
+            if grad_w is not None:
+                grad_w += (g.T @ h).float()
 
 
 def _fp8_chunks(hidden, w, probs, p_index, row_weight, chunk, ce, top, grad_h):
@@ -148,7 +156,7 @@ def _soft_ce_grad(logits, p, row_weight):
 def _soft_ce_grad_fp8(logits, p, row_weight, g_scale):
     """``_soft_ce_grad`` with d loss / d logits scaled by ``g_scale`` and written in e5m2 (what the
     FP8 product takes; ``g_scale`` maps the largest possible value onto e5m2's largest)."""
-    ce, top, g = _soft_ce_grad(logits.float(), p, row_weight)
+    ce, top, g = _soft_ce_grad(logits.float(), p, row_weight)  # float logits: g stays fp32 until the one e5m2 rounding
     big = torch.finfo(E5M2).max  # the clamp only catches float rounding at the bound (no inf)
     return ce, top, (g * g_scale).clamp(-big, big).to(E5M2)
 

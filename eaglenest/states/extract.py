@@ -55,7 +55,8 @@ from ..serving.vllm import extraction_layer_ids, extraction_server_args
 from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from ..vllm_facts import vllm_version
-from .hidden import ShardWriter, check_free_disk, estimate_bytes, shard_layout, shard_sequences
+from .hidden import ShardWriter, check_free_disk, shard_layout, shard_sequences
+from .preflight import estimate_bytes
 from .target import TargetFacts, load_target_head
 
 BACKEND = "vllm"
