@@ -22,7 +22,8 @@ What it holds:
 - the releases eaglenest supports and where they differ;
 - ``--speculative-config``, the served dtype and the KV cache in the server log, the reasoning field
   of a chat answer, and the speculative-decoding counters at ``/metrics`` with vLLM's acceptance
-  definitions (``v1/spec_decode/metrics.py``).
+  definitions (``v1/spec_decode/metrics.py``) and the tokens per target step (``per_step``) that
+  compare methods where vLLM's per-draft figure does not.
 """
 
 from __future__ import annotations
@@ -291,3 +292,26 @@ def acceptance(counts: dict, k: int) -> dict:
         "draft_tokens": int(draft_tokens),
         "accepted": int(accepted),
     }
+
+
+def per_step(counts: dict, completion_tokens: int, requests: int) -> dict:
+    """Tokens per target step of a run: the figure that compares methods, where ``acceptance``'s length
+    does not. vLLM counts a draft only on a step that made one (``v1/core/sched/scheduler.py``,
+    ``make_spec_decoding_stats`` returns early on 0 draft tokens), so ``1 + accepted / drafts`` is per
+    *drafted* step: n-gram's lookup often finds nothing, and its figure leaves those steps out.
+
+    ``counts``: the counters (or simulated counts) over exactly the ``requests`` requests that generated
+    ``completion_tokens`` tokens. Each request's first token comes from its prefill; every later target
+    forward (a decode step) yields 1 + its accepted tokens, so the decode steps are
+    ``S = completion_tokens - requests - accepted``. vLLM counts what a step accepts before its stop
+    check, so tokens accepted past max_tokens or a stop (at most k per request, on its last step) make S
+    come out short: S is never below ``drafts`` (every drafted step is a step). Returns
+    ``tokens_per_step`` ((completion_tokens - requests) / S: 1.0 for the target alone; 1 + accepted /
+    drafts where every step drafted and nothing ran past the end), ``drafted_share`` (drafts / S) and
+    ``decode_steps`` (S); None for each where there is no decode step."""
+    drafts, accepted = int(counts.get("drafts") or 0), int(counts.get("accepted") or 0)
+    decoded = int(completion_tokens) - int(requests)
+    steps = max(decoded - accepted, drafts)
+    if decoded <= 0 or steps <= 0:
+        return {"tokens_per_step": None, "drafted_share": None, "decode_steps": None}
+    return {"tokens_per_step": decoded / steps, "drafted_share": drafts / steps, "decode_steps": steps}

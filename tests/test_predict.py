@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eaglenest.draft.model import Eagle3Draft
-from eaglenest.vllm_facts import acceptance
+from eaglenest.vllm_facts import acceptance, per_step
 from eaglenest.validation.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
 
 
@@ -21,6 +21,40 @@ def test_acceptance_math_edge_cases():
     # per-position rates never rise with the position: position i needs all before it
     per = acceptance(mixed, 3)["per_position"]
     assert per == sorted(per, reverse=True)
+
+
+def test_per_step_counts_the_undrafted_steps_of_an_ngram_like_run():
+    """Two requests, hand-counted. The first (10 tokens): its prefill token, then steps yielding 1 (no
+    draft), 3 (draft, 2 accepted), 1 (no draft), 1 (draft, 0 accepted), 3 (draft, 2 accepted). The second
+    (6 tokens): its prefill token, then 5 steps without a draft. 10 steps, 3 drafted, 4 accepted."""
+    counts = {"drafts": 3, "draft_tokens": 9, "accepted": 4, "accepted_per_pos": {0: 2, 1: 2}}
+    got = per_step(counts, completion_tokens=10 + 6, requests=2)
+    assert got["decode_steps"] == 10
+    assert got["tokens_per_step"] == pytest.approx(14 / 10) and got["drafted_share"] == pytest.approx(3 / 10)
+    # vLLM's own figure counts the drafted steps only: far above what a step yields
+    assert acceptance(counts, 3)["acceptance_length"] == pytest.approx(1 + 4 / 3)
+
+
+def test_per_step_equals_vllms_figure_when_every_step_drafts():
+    """EAGLE-3-like: every decode step drafts. Request one: prefill token, steps accepting 3, 1, 0 (4 + 2 + 1
+    tokens: 8 in all); request two: prefill token, steps accepting 2, 1 (3 + 2: 6 in all)."""
+    counts = counts_from_accepted([3, 1, 0, 2, 1], 3)
+    got = per_step(counts, completion_tokens=8 + 6, requests=2)
+    assert got["decode_steps"] == 5 and got["drafted_share"] == 1.0
+    assert got["tokens_per_step"] == pytest.approx(acceptance(counts, 3)["acceptance_length"]) == pytest.approx(12 / 5)
+
+
+def test_per_step_guards_tokens_accepted_past_the_end_and_empty_runs():
+    # One request of 5 tokens (max_tokens 5): prefill token, a step accepting 2 (3 tokens), then a step that
+    # accepts 3 of which the request keeps 1. G - R - A = 5 - 1 - 5 = -1 steps: never fewer than the 2 drafts.
+    got = per_step({"drafts": 2, "accepted": 5}, completion_tokens=5, requests=1)
+    assert got == {"tokens_per_step": 2.0, "drafted_share": 1.0, "decode_steps": 2}
+    none = {"tokens_per_step": None, "drafted_share": None, "decode_steps": None}
+    assert per_step({"drafts": 0, "accepted": 0}, completion_tokens=0, requests=0) == none
+    assert per_step({"drafts": 0, "accepted": 0}, completion_tokens=3, requests=3) == none  # one token each: no step
+    # the target alone: no counters, one token a step
+    assert per_step({}, completion_tokens=30, requests=3) == {"tokens_per_step": 1.0, "drafted_share": 0.0,
+                                                                "decode_steps": 27}
 
 
 def test_simulate_chain_walks_like_greedy_verification():
