@@ -6,7 +6,8 @@ import torch
 
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.vllm_facts import acceptance, per_step
-from eaglenest.validation.predict import counts_from_accepted, load_exported_draft, offline_acceptance, simulate_chain
+from eaglenest.validation.predict import (counts_from_accepted, load_exported_draft, ngram_acceptance, ngram_proposal,
+                                         offline_acceptance, simulate_chain)
 
 
 def test_acceptance_math_edge_cases():
@@ -81,6 +82,56 @@ def test_simulate_chain_verifies_past_the_end_like_vllm():
     # completion ends at index 9 (the eos, say); 10 and 11 are the target's continuation after it
     assert simulate_chain(perfect, tokens, 4, k, end=9) == [3, 3]  # the second draft covers 9, 10, 11
     assert simulate_chain(perfect, tokens[:10], 4, k) == [3, 1]  # without the continuation: rejected there
+
+
+def test_ngram_proposal_takes_the_longest_suffix_and_its_first_occurrence():
+    # [1, 2] occurs at 0 and 3: the first occurrence's followers, k of them
+    assert ngram_proposal([1, 2, 7, 1, 2, 8, 9, 1, 2], 3, 2, 3) == [7, 1, 2]
+    # the 3-gram [8, 1, 2] beats the 2-gram [1, 2]: it occurs once, followed by 5
+    assert ngram_proposal([1, 2, 7, 8, 1, 2, 5, 8, 1, 2], 3, 2, 3) == [5, 8, 1]
+    # fewer than k tokens follow the match: what there is
+    assert ngram_proposal([5, 1, 2, 1, 2], 3, 2, 3) == [1, 2]
+    # no earlier occurrence of at least prompt_lookup_min tokens: no draft
+    assert ngram_proposal([1, 2, 3, 4, 2], 3, 2, 3) == [] and ngram_proposal([1, 2, 3, 4, 2], 3, 1, 3) == [3, 4, 2]
+    assert ngram_proposal([4], 3, 1, 3) == []
+
+
+def test_ngram_proposal_is_vllms():
+    """Against vLLM's own function (its Python body, not compiled) on random short-alphabet contexts."""
+    pytest.importorskip("numba")
+    np = pytest.importorskip("numpy")
+    try:
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as theirs
+    except ImportError:
+        pytest.skip("vLLM is not installed")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        context = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        lo, hi = (1, 3) if trial % 2 else (2, 5)
+        want = theirs.py_func(np.array(context, dtype=np.int32), lo, hi, 10_000, 3).tolist()
+        assert ngram_proposal(context, 3, lo, hi) == want, (context, lo, hi)
+
+
+def test_ngram_acceptance_counts_steps_by_hand():
+    """k 3, n-grams of 2 or 3. Prompt 10 11 12 13; completion 10 11 12 14 10 11 12 13 15 (indices 4 to 12 of
+    the sequence). Index 4 is the prefill's. Steps: after ..13 10 no earlier [13 10] or [12 13 10]: 1 token (11).
+    After ..10 11: [10 11] first at 0, draft 12 13 10 against 12 14 10: 1 accepted, 2 tokens (12 14). After
+    ..12 14 and ..14 10: no match, 1 token each (10, 11). After ..10 11: draft 12 13 10 again (the first
+    occurrence; the later one would offer 12 14 10) against 12 13 15: 2 accepted, 3 tokens. 5 steps, 2 drafted,
+    3 accepted, 8 tokens after the first."""
+    seq = ([10, 11, 12, 13], [10, 11, 12, 14, 10, 11, 12, 13, 15])
+    out = ngram_acceptance([seq, ([1, 2], [])], 3, 2, 3)
+    assert (out["drafts"], out["draft_tokens"], out["accepted"], out["decode_steps"]) == (2, 6, 3, 5)
+    assert out["tokens_per_step"] == pytest.approx(8 / 5) and out["drafted_share"] == pytest.approx(2 / 5)
+    assert out["acceptance_length"] == pytest.approx(1 + 3 / 2)  # vLLM's figure: per drafted step
+    assert out["per_position"] == pytest.approx([1.0, 0.5, 0.0])
+    assert out["sequences"] == 2 and out["completion_tokens"] == 9
+    # A repetitive completion drafts on every step: after ..3 1, [1] first at 0 offers 2 3 1, all accepted (4
+    # tokens); after ..1 2, [3 1 2] offers 3 1 2, of which 3 1 are accepted and end the completion: the bonus
+    # falls past the end. 6 tokens kept over 2 steps, though vLLM counts 5 accepted over 2 drafts.
+    loop = ngram_acceptance([([1, 2, 3], [1, 2, 3, 1, 2, 3, 1])], 3, 1, 3)
+    assert (loop["drafts"], loop["accepted"], loop["decode_steps"], loop["drafted_share"]) == (2, 5, 2, 1.0)
+    assert loop["tokens_per_step"] == 3.0 and loop["acceptance_length"] == 3.5
 
 
 # ----------------------------------------------------------------------------- offline, tiny random target
@@ -181,6 +232,9 @@ def test_offline_acceptance_on_a_tiny_random_target(tiny):
     assert out["acceptance_length"] == pytest.approx(1 + sum(out["per_position"]))
     assert out["tokens_source"] == "given" and out["aux_layers"] == [1, 2, 3]
     assert 0.0 <= out["target_agreement"] <= 1.0  # random sequences: not this target's greedy answers
+    # every simulated step drafts; tokens accepted past a sequence's end are not kept
+    assert out["drafted_share"] == 1.0 and out["decode_steps"] == out["drafts"]
+    assert out["tokens_per_step"] <= out["acceptance_length"]
 
 
 def test_offline_acceptance_counts_what_a_perfect_chain_would(tiny, monkeypatch):
@@ -198,6 +252,7 @@ def test_offline_acceptance_counts_what_a_perfect_chain_would(tiny, monkeypatch)
     out = offline_acceptance(None, draft_dir, k=k, sequences=seqs, dtype="float32", device="cpu", model=target, progress=False)
     assert out["acceptance_length"] == pytest.approx(k + 1) and out["per_position"] == [1.0, 1.0]
     assert out["drafts"] == 7
+    assert out["tokens_per_step"] == pytest.approx(3 * 7 / 7) and out["drafted_share"] == 1.0  # 21 tokens, 7 steps
 
 
 def test_offline_generates_greedy_sequences_when_none_given(tiny, tmp_path):

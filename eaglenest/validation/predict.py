@@ -1,5 +1,7 @@
 """The offline prediction of vLLM's acceptance: greedy chain speculation simulated with the
-transformers target and the exported draft.
+transformers target and the exported draft; and vLLM's n-gram (prompt lookup) speculation simulated
+over the same greedy sequences (``ngram_acceptance``), so both methods' tokens per target step
+(``vllm_facts.per_step``) can be compared on the same prompts without a server.
 
 The draft is read back from its export the way vLLM reads it (``vllm_format``); at every position of
 each greedy sequence it proposes the chain vLLM's proposer would (``Eagle3Draft.propose``), and
@@ -16,7 +18,7 @@ import torch
 from ..draft.vllm_format import draft_config_from_json, served_aux_layers, state_dict_from_vllm
 from ..errors import ValidationError
 from ..util import progress_bar
-from ..vllm_facts import acceptance
+from ..vllm_facts import acceptance, per_step
 
 
 def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device="cpu"):
@@ -65,11 +67,12 @@ def simulate_chain(proposals, tokens, start: int, k: int, end: int | None = None
     return counts
 
 
-def counts_from_accepted(accepted: list[int], k: int) -> dict:
-    """Counter-shaped totals (as vLLM's /metrics would count them) from per-draft accepted counts."""
+def counts_from_accepted(accepted: list[int], k: int, lengths: list[int] | None = None) -> dict:
+    """Counter-shaped totals (as vLLM's /metrics would count them) from per-draft accepted counts;
+    ``lengths``: each draft's token count where a proposer may offer fewer than k (n-gram), else k each."""
     return {
         "drafts": len(accepted),
-        "draft_tokens": k * len(accepted),
+        "draft_tokens": k * len(accepted) if lengths is None else sum(lengths),
         "accepted": sum(accepted),
         "accepted_per_pos": {i: sum(a > i for a in accepted) for i in range(k)},
     }
@@ -103,20 +106,79 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
         source = "generated"
         tokenizer = AutoTokenizer.from_pretrained(target)
         sequences = greedy_sequences(model, tokenizer, prompts, max_tokens, chat_template_kwargs)
-    accepted, agree, total = [], 0, 0
+    accepted, agree, total, generated = [], 0, 0, 0
     for prompt_ids, completion in progress_bar(sequences, desc="offline", unit="seq", disable=not progress):
         if not completion:
             continue
+        generated += 1
         tokens = list(prompt_ids) + list(completion)
         aux, greedy, tail = target_states(model, tokens, aux_layers, extra=k)
         agree += int((greedy[len(prompt_ids) - 1 : -1] == torch.tensor(completion)).sum())
         total += len(completion)
         proposals = draft.propose(torch.tensor(tokens), aux, k)
         accepted += simulate_chain(proposals, tokens + tail, len(prompt_ids), k, end=len(tokens) - 1)
-    result = acceptance(counts_from_accepted(accepted, k), k)
+    counts = counts_from_accepted(accepted, k)
+    result = {**acceptance(counts, k), **per_step(counts, total, generated)}
     result.update({
         "sequences": len(sequences), "completion_tokens": total, "tokens_source": source,
         "target_agreement": agree / total if total else None, "dtype": str(embed.dtype).removeprefix("torch."),
         "aux_layers": aux_layers, "seconds": round(time.time() - t0, 1),
     })
     return result
+
+
+# ----------------------------------------------------------------------------- n-gram, simulated
+
+
+def ngram_proposal(context: list[int], k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> list[int]:
+    """What vLLM's n-gram proposer drafts after ``context`` (prompt + tokens generated so far):
+    ``v1/spec_decode/ngram_proposer.py``, ``_find_longest_matched_ngram_and_propose_tokens``. The
+    longest suffix of n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) that occurs
+    earlier, ending before the last token; of its occurrences the first (vLLM keeps the earliest on a tie);
+    then the up to ``k`` tokens that followed it, fewer where the context ends sooner. Empty: no draft.
+    (vLLM also stops short of max_model_len, which the validation's requests never reach.)"""
+    size = len(context)
+    for n in range(min(prompt_lookup_max, size - 1), prompt_lookup_min - 1, -1):
+        suffix = context[size - n:]
+        for j in range(size - n):
+            if context[j:j + n] == suffix:
+                return context[j + n:j + n + k]
+    return []
+
+
+def ngram_steps(tokens: list[int], start: int, k: int, prompt_lookup_min: int, prompt_lookup_max: int):
+    """Walk greedy verification of n-gram drafts through ``tokens`` (prompt + completion, the completion
+    from index ``start``; its first token comes from the prefill) -> (accepted count of each draft,
+    each draft's length). A step without a proposal makes no draft and yields one token; a drafted
+    step's j-th token is accepted while it equals the sequence's, and the target adds one token."""
+    accepted, lengths, m, last = [], [], start, len(tokens) - 1
+    while m < last:
+        chain = ngram_proposal(tokens[:m + 1], k, prompt_lookup_min, prompt_lookup_max)
+        a = 0
+        while a < len(chain) and m + 1 + a <= last and chain[a] == tokens[m + 1 + a]:
+            a += 1
+        if chain:
+            accepted.append(a)
+            lengths.append(len(chain))
+        m += a + 1
+    return accepted, lengths
+
+
+def ngram_acceptance(sequences, k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> dict:
+    """vLLM's n-gram speculation simulated over greedy ``(prompt_ids, completion_ids)`` pairs (at T=0 its
+    outputs are the target's greedy ones): the keys of ``offline_acceptance``'s acceptance figures
+    (vLLM's per-draft definitions) with ``tokens_per_step`` and ``drafted_share`` (``vllm_facts.per_step``,
+    as the live runs get them), and the sequences and completion tokens they cover."""
+    accepted, lengths, total, generated = [], [], 0, 0
+    for prompt_ids, completion in sequences:
+        if not completion:
+            continue
+        generated += 1
+        total += len(completion)
+        got, sizes = ngram_steps([int(t) for t in (*prompt_ids, *completion)], len(prompt_ids), k,
+                                 prompt_lookup_min, prompt_lookup_max)
+        accepted += got
+        lengths += sizes
+    counts = counts_from_accepted(accepted, k, lengths)
+    return {**acceptance(counts, k), **per_step(counts, total, generated), "sequences": len(sequences),
+            "completion_tokens": total, "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
