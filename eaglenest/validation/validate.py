@@ -38,7 +38,7 @@ from ..serving.probe import get_text
 from ..serving.settings import ServerConfig
 from ..settings import ValidateSettings
 from ..states.target import load_target
-from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, served_dtype, spec_counters,
+from ..vllm_facts import (SPECULATIVE_CONFIG_FLAGS, acceptance, kv_cache_facts, per_step, served_dtype, spec_counters,
                           speculative_config, supported_version_note, vllm_version)
 from .card import write_validation
 from .evalsets import load_set, read_prompts, resolve_sets
@@ -141,6 +141,23 @@ def run_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, 
     }
 
 
+# What a run's figures from the counters are, copied as they are onto the headline cell.
+COUNTED_KEYS = ("acceptance_length", "acceptance_rate", "per_position", "drafts", "draft_tokens", "accepted",
+                "tokens_per_step", "drafted_share", "decode_steps", "counted_requests", "counted_completion_tokens")
+
+
+def counted_figures(delta: dict | None, runs: list[dict], k) -> dict:
+    """The figures of the requests one counter difference covers: ``runs``, every ``run_requests`` result
+    sent between its two readings (each with all its passes). vLLM's per-draft acceptance (``k``: None for
+    the target alone, which has none) and the tokens per target step (``vllm_facts.per_step``) over the
+    same requests, with those requests' count and completion tokens (``counted_*``)."""
+    tokens, requests = sum(r["completion_tokens"] for r in runs), sum(r["requests"] for r in runs)
+    out = acceptance(delta, k) if k else {}
+    out.update(per_step(delta if k else {}, tokens, requests), counted_requests=requests,
+               counted_completion_tokens=tokens)
+    return out
+
+
 def one_request_speed(runs: list[dict]) -> dict:
     """The figures of ``run_requests`` results sent one request at a time: output tokens/s and the
     per-token latency (a request's latency over its output tokens, prefill included, pooled), of the
@@ -189,12 +206,10 @@ def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) ->
         before = settled_counters(url, api_key, wait_s=2.0) if k else None
         run = run_requests(url, model, cell["prompts"], cell["settings"], concurrency=1, api_key=api_key)
         after = settled_counters(url, api_key, wait_s=2.0) if k else None
-        out = {"one_request": one_request_speed([run]), "answers": run["answers"]}
-        if k:
-            out.update(acceptance(counter_delta(before, after), k))
+        out = {"one_request": one_request_speed([run]), "answers": run["answers"],
+               **counted_figures(counter_delta(before, after) if k else None, [run], k)}
     else:
-        out = {key: first[key] for key in ("one_request", "answers", "acceptance_length", "acceptance_rate",
-                                           "per_position", "drafts", "draft_tokens", "accepted") if key in first}
+        out = {key: first[key] for key in ("one_request", "answers", *COUNTED_KEYS) if key in first}
     out.update({"set": cell["set"], "temperature": cell["temperature"], "prompts": len(cell["prompts"]),
                 "request_settings": sent_settings(cell["settings"]),
                 "output_tokens": sum(len(a["completion_token_ids"]) for a in out["answers"])})
@@ -243,8 +258,8 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
             after = settled_counters(url, api_key)
             if singles:
                 result["one_request"] = one_request_speed(singles)
-            if k:
-                result.update(acceptance(counter_delta(before, after), k))
+            # The counters cover every timed request: each one-request phase and the concurrent one, all passes.
+            result.update(counted_figures(counter_delta(before, after) if k else None, [*singles, result], k))
             result["cells"] = [measure_cell(url, cfg.model_id, c, api_key=api_key, k=k,
                                             first=result if c.get("headline") else None) for c in cells]
             # Other processes on the machine skew tokens/s: the 1-minute load around the timed requests.
@@ -268,12 +283,24 @@ def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings
     log(f"{name}: " + (f"one request at a time {one['output_tokens_per_s']:.1f} tok/s ({one['ms_per_token']:.2f} ms/token); "
                        if one else "") + f"{concurrency} in flight {result['completion_tokens']} tokens ({result['passes']} pass(es)) in "
         f"{result['wall_s']:.1f} s ({result['output_tokens_per_s']:.1f} tok/s, mean latency {result['mean_latency_s']:.2f} s)"
-        + (f", acceptance length {result['acceptance_length']:.3f}" if k else ""))
+        + f", {_steps_said(result, k)}")
     for c in result.get("cells", []):
         log(f"{name}: {c['set']} at T={c['temperature']:g}: {c['prompts']} prompts, {c['output_tokens']} output tokens, "
-            f"{c['one_request']['output_tokens_per_s']:.1f} tok/s one request at a time"
-            + (f", acceptance length {c['acceptance_length']:.3f}" if k else ""))
+            f"{c['one_request']['output_tokens_per_s']:.1f} tok/s one request at a time, {_steps_said(c, k)}")
     return result
+
+
+def _steps_said(figures: dict, k) -> str:
+    """A run's or cell's tokens per target step, with vLLM's per-draft figure where it speculated."""
+    said = f"{_fmt(figures.get('tokens_per_step'))} tokens per target step"
+    if k:
+        said += (f" (drafted on {_fmt(figures.get('drafted_share'), '.0%')} of steps; vLLM's acceptance length "
+                 f"per drafted step {_fmt(figures.get('acceptance_length'))})")
+    return said
+
+
+def _fmt(v, spec=".3f") -> str:
+    return "–" if v is None else format(v, spec)
 
 
 # ----------------------------------------------------------------------------- the whole validation
