@@ -181,3 +181,53 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     assert len(cells) == 3 * 2 and all(c.get("score") == -0.5 for c in cells), cells
     assert all(c["lossless_check"]["lossless"] for c in cells if c["method"] != "baseline"), "equal scores: lossless"
     assert "No offline prediction" in (tmp_path / "r.html").read_text()
+
+
+def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, monkeypatch):
+    """The counters are read around every timed request of a run (each one-request phase and the concurrent
+    one, every pass): the tokens per step divide by the steps of all of them, not of the first pass only.
+    A cell reads its own counters around its own requests; the headline cell takes the run's figures."""
+    from eaglenest.serving.settings import ServerConfig
+
+    v = validate
+    readings = iter([{"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}},
+                     # the headline phases: 3 passes of 2 requests, 10 tokens each: 60 tokens, 6 requests
+                     {"drafts": 18.0, "draft_tokens": 54.0, "accepted": 18.0, "accepted_per_pos": {0: 12.0, 1: 6.0}},
+                     {"drafts": 18.0, "draft_tokens": 54.0, "accepted": 18.0, "accepted_per_pos": {0: 12.0, 1: 6.0}},
+                     # the cell: 2 requests, 20 tokens: 4 drafts accepting 2 in all; 18 - 2 = 16 steps
+                     {"drafts": 22.0, "draft_tokens": 66.0, "accepted": 20.0, "accepted_per_pos": {0: 14.0, 1: 6.0}}])
+    phases = iter([2, 1, 1])  # passes over the 2 prompts: the one-request phase, the concurrent one, the T=1 cell
+
+    def fake_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, min_seconds=0.0):
+        passes = next(phases, 1)
+        answers = [{"completion_token_ids": list(range(10)), "prompt_token_ids": [1], "latency_s": 0.1} for _ in prompts]
+        return {"requests": passes * len(prompts), "passes": passes, "completion_tokens": 10 * passes * len(prompts),
+                "wall_s": 1.0, "output_tokens_per_s": 10.0 * passes * len(prompts), "mean_latency_s": 0.1,
+                "answers": answers}
+
+    monkeypatch.setattr(v, "start_local", lambda *a, **k: {"pid": -1})
+    monkeypatch.setattr(v, "stop_local", lambda *a, **k: None)
+    monkeypatch.setattr(v, "wait_ready", lambda *a, **k: {"urls": ["http://127.0.0.1:9"], "seconds_to_ready": 1.0})
+    monkeypatch.setattr(v, "settled_counters", lambda *a, **k: next(readings))
+    monkeypatch.setattr(v, "run_requests", fake_requests)
+    prompts = [{"id": "a"}, {"id": "b"}]
+    cells = [{"set": "heldout", "temperature": 0.0, "prompts": prompts, "settings": {}, "headline": True},
+             {"set": "heldout", "temperature": 1.0, "prompts": prompts, "settings": {}}]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, warmup_requests=0,
+                        cells=cells, log=lambda m: None)
+    # 6 requests, 60 tokens, 18 accepted: 60 - 6 - 18 = 36 steps, 18 of them drafted
+    assert (run["counted_requests"], run["counted_completion_tokens"], run["decode_steps"]) == (6, 60, 36)
+    assert run["tokens_per_step"] == pytest.approx(54 / 36) and run["drafted_share"] == pytest.approx(0.5)
+    assert run["acceptance_length"] == pytest.approx(2.0)  # vLLM's: per drafted step
+    head, hot = run["cells"]
+    assert {key: head[key] for key in v.COUNTED_KEYS} == {key: run[key] for key in v.COUNTED_KEYS}
+    assert (hot["counted_requests"], hot["decode_steps"], hot["drafts"]) == (2, 16, 4)
+    assert hot["tokens_per_step"] == pytest.approx(18 / 16) and hot["drafted_share"] == pytest.approx(4 / 16)
+
+
+def test_the_target_alone_makes_one_token_a_step():
+    runs = [{"requests": 4, "completion_tokens": 44}, {"requests": 2, "completion_tokens": 22}]
+    got = validate.counted_figures(None, runs, None)
+    assert got == {"tokens_per_step": 1.0, "drafted_share": 0.0, "decode_steps": 60, "counted_requests": 6,
+                   "counted_completion_tokens": 66}
