@@ -47,13 +47,18 @@ def test_the_bound_passes_a_lossless_run_and_fails_a_corrupted_one():
     assert score_check([([], [-0.1]), ([-0.1], [-0.1])])["sets"] == 1
 
 
-def _cell(s, t, al=None, tps=100.0, lossless=None, score=-0.1):
+def _cell(s, t, al=None, tps=100.0, lossless=None, score=-0.1, steps=None):
+    """A cell: ``al`` vLLM's acceptance length (per drafted step); ``steps`` its tokens per target step (default
+    ``al``: every step drafted, as EAGLE-3's; n-gram's below it, drafting on some steps only)."""
     c = {"set": s, "temperature": t, "prompts": 4, "output_tokens": 200, "answers": [],
          "request_settings": {"temperature": t, "top_p": 1.0, "seed": 0, "max_tokens": 64},
-         "one_request": {"output_tokens_per_s": tps, "ms_per_token": 1000 / tps}, "score": score}
+         "one_request": {"output_tokens_per_s": tps, "ms_per_token": 1000 / tps}, "score": score,
+         "tokens_per_step": 1.0, "drafted_share": 0.0}
     if al is not None:
+        steps = al if steps is None else steps
         c.update({"acceptance_length": al, "acceptance_rate": (al - 1) / 3, "per_position": [0.9, 0.8, al - 2.7],
-                  "drafts": 100, "draft_tokens": 300, "accepted": round((al - 1) * 100)})
+                  "drafts": 100, "draft_tokens": 300, "accepted": round((al - 1) * 100),
+                  "tokens_per_step": steps, "drafted_share": (steps - 1) / (al - 1) if al > 1 else 1.0})
     if lossless is not None:
         c["lossless_check"] = {"lossless": lossless, "difference": 0.0 if lossless else -2.9, "p": 1.0 if lossless else 5e-5,
                                "score": score, "reference_score": -0.1, "n": 8, "reference_n": 8, "sets": 2}
@@ -65,13 +70,14 @@ def _runs():
     base = [_cell(s, t) for s, t in sets]
     eagle = [_cell("heldout", 0.0, 3.5, 250, True), _cell("heldout", 1.0, 1.0, 90, False, -3.0),
              _cell("new_forms", 0.0, 2.5, 200, True), _cell("new_forms", 1.0, 1.0, 90, False, -3.0)]
-    ngram = [_cell("heldout", 0.0, 1.6, 150, True), _cell("heldout", 1.0, 1.0, 90, False, -3.0),
-             _cell("new_forms", 0.0, 2.7, 170, True), _cell("new_forms", 1.0, 1.0, 95, False, -3.0)]
+    # n-gram per drafted step above EAGLE-3 on held-out T=0 (3.6 > 3.5), per step far below (1.6)
+    ngram = [_cell("heldout", 0.0, 3.6, 150, True, steps=1.6), _cell("heldout", 1.0, 1.0, 90, False, -3.0),
+             _cell("new_forms", 0.0, 3.2, 170, True, steps=2.7), _cell("new_forms", 1.0, 1.0, 95, False, -3.0)]
     runs = {"baseline": {"cells": base, "vllm_version": "0.32.0"}, "eagle3": {"cells": eagle, "vllm_version": "0.32.0"},
             "ngram": {"cells": ngram, "vllm_version": "0.32.0"}}
     sets = [{"name": "heldout", "path": "h.jsonl", "prompts": 4}, {"name": "new_forms", "path": "n.jsonl", "prompts": 4}]
     return build_matrix(runs, sets=sets, temperatures=[0.0, 1.0], top_p=1.0, seed=0, k=3,
-                        offline={"acceptance_length": 3.45})
+                        offline={"acceptance_length": 3.5, "tokens_per_step": 3.45})
 
 
 def test_the_csv_holds_the_json_cells(tmp_path):
@@ -82,7 +88,7 @@ def test_the_csv_holds_the_json_cells(tmp_path):
     assert list(df.columns[:3]) == ["method", "set", "temperature"]
     for cell, row in zip(matrix["cells"], df.to_dict("records")):
         assert (row["method"], row["set"], row["temperature"]) == (cell["method"], cell["set"], cell["temperature"])
-        for key in ("acceptance_length", "speedup", "output_tokens"):
+        for key in ("tokens_per_step", "drafted_share", "acceptance_length", "speedup", "output_tokens"):
             assert row[key] == pytest.approx(cell[key]) if cell[key] is not None else pd.isna(row[key])
         assert [row[f"per_position_{i}"] for i in (1, 2, 3)] == pytest.approx(cell["per_position"] or [float("nan")] * 3,
                                                                               nan_ok=True)
@@ -100,13 +106,29 @@ def test_findings_name_the_engine_and_the_weak_cells():
     assert "vLLM 0.32.0 is not lossless at temperature 1" in lossless[0]["message"]
     assert {tuple(c) for c in lossless[0]["cells"]} == {("eagle3", "heldout"), ("eagle3", "new_forms"),
                                                         ("ngram", "heldout"), ("ngram", "new_forms")}
-    # new_forms at T=0: below n-gram (2.5 < 2.7) and below 80% of the held-out 3.5; T=1 cells are not judged.
+    # new_forms at T=0: below n-gram per step (2.5 < 2.7) and below 80% of the held-out 3.5; T=1 cells are not judged.
     assert kinds.count("matrix_ngram") == 1 and kinds.count("matrix_drop") == 1
     assert all("new_forms at T=0" in f["message"] for f in found if f["kind"].startswith("matrix_"))
+    (below,) = [f for f in found if f["kind"] == "matrix_ngram"]
+    assert "EAGLE-3 makes 2.500 tokens per target step, below n-gram's 2.700" in below["message"]
+    assert ("vLLM's acceptance length per drafted step: EAGLE-3 2.500 (drafted on 100% of steps), "
+            "n-gram 3.200 (drafted on 77% of steps)") in below["message"]
     page = matrix_html(matrix)
     assert "engine not lossless" in page and "<svg" in page and "offline (T=0)" in page
+    assert "Tokens per target step by set and temperature" in page
+    assert "<th>tokens per target step</th>" in page and "<th>acceptance length per drafted step (vLLM's figure)</th>" in page
     card = "\n".join(matrix_markdown(matrix))
+    # per step: n-gram 1.60 (its 3.60 per drafted step is not what the table compares), offline 3.45
     assert "| heldout | 4 | 3.50 (n-gram 1.60) | 3.45 | engine not lossless |" in card
+
+
+def test_ngram_ahead_per_drafted_step_only_is_no_finding():
+    """n-gram's acceptance length per drafted step above EAGLE-3's, its tokens per step below: no finding."""
+    matrix = _runs()
+    for c in matrix["cells"]:
+        if c["method"] == "ngram" and c["set"] == "new_forms" and c["temperature"] == 0.0:
+            c.update(acceptance_length=3.2, tokens_per_step=2.4)
+    assert not [f for f in matrix_findings(matrix, warn_below=0.8) if f["kind"] == "matrix_ngram"]
 
 
 def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
@@ -116,7 +138,7 @@ def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
     assert {w["kind"] for w in r["warnings"]} >= {"not_lossless", "matrix_ngram", "matrix_drop"}
     write_report(r, tmp_path / "v.json", tmp_path / "v.html", csv_path=tmp_path / "v.csv")
     page = (tmp_path / "v.html").read_text()
-    assert page.index("Acceptance by evaluation set and temperature") < page.index("<h2>Summary")
+    assert page.index("Tokens per target step by evaluation set and temperature") < page.index("<h2>Summary")
     assert len(pd.read_csv(tmp_path / "v.csv")) == len(r["matrix"]["cells"])
     assert json.loads((tmp_path / "v.json").read_text())["matrix"]["temperatures"] == [0.0, 1.0]
 

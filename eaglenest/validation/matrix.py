@@ -5,6 +5,8 @@ into ``validation.json``'s ``matrix`` (docs/validation.md describes it); ``cells
 same cells a pandas DataFrame, one row per cell, which is both ``reports/validation.csv`` and the
 source of the report's matrix tables. ``matrix_findings`` names the cells to worry about: an engine
 that is not lossless there, EAGLE-3 below n-gram, or below ``warn_below`` of its T=0 held-out figure.
+Methods are compared by tokens per target step (``vllm_facts.per_step``); vLLM's acceptance length
+counts drafted steps only (n-gram drafts on some steps), so it is shown beside it, never compared.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ BASELINE, NGRAM = "baseline", "ngram"
 CELL_KEYS = ("set", "temperature")
 # The CSV's columns, in order (per_position_1..k follow acceptance_rate).
 COLUMNS = ("method", "set", "temperature", "top_p", "seed", "max_tokens", "prompts", "output_tokens",
+           "tokens_per_step", "drafted_share", "decode_steps",
            "acceptance_length", "acceptance_rate", "drafts", "draft_tokens", "accepted",
            "output_tokens_per_s", "ms_per_token", "speedup", "score", "score_difference", "lossless_p",
            "lossless", "vllm_version")
@@ -34,6 +37,8 @@ def _cell_row(method: str, cell: dict, base: dict | None, version) -> dict:
         "method": method, "set": cell["set"], "temperature": cell["temperature"],
         "top_p": sent.get("top_p"), "seed": sent.get("seed"), "max_tokens": sent.get("max_tokens"),
         "prompts": cell.get("prompts"), "output_tokens": cell.get("output_tokens"),
+        "tokens_per_step": cell.get("tokens_per_step"), "drafted_share": cell.get("drafted_share"),
+        "decode_steps": cell.get("decode_steps"),
         "acceptance_length": cell.get("acceptance_length"), "acceptance_rate": cell.get("acceptance_rate"),
         "per_position": cell.get("per_position"),
         "drafts": cell.get("drafts"), "draft_tokens": cell.get("draft_tokens"), "accepted": cell.get("accepted"),
@@ -63,7 +68,7 @@ def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, 
         "sets": [{key: s.get(key) for key in ("name", "path", "split", "subset", "limit", "prompts",
                                               "cell_prompts", "chat_template_kwargs")} for s in sets],
         "temperatures": list(temperatures), "top_p": top_p, "seed": seed, "num_speculative_tokens": k,
-        "offline": {"set": "heldout", "temperature": 0.0,
+        "offline": {"set": "heldout", "temperature": 0.0, "tokens_per_step": (offline or {}).get("tokens_per_step"),
                     "acceptance_length": (offline or {}).get("acceptance_length")},
         "warn_below": warn_below,
         "cells": cells,
@@ -110,7 +115,7 @@ def _run_shown(method: str, cells: list[dict]) -> str:
 def matrix_findings(matrix: dict, warn_below: float) -> list[dict]:
     """Findings over the matrix: cells where the engine is not lossless (one finding per temperature,
     naming the engine version and the runs), then cells where EAGLE-3 falls below n-gram or below
-    ``warn_below`` of its held-out T=0 acceptance (lossless cells only)."""
+    ``warn_below`` of its held-out T=0 figure (lossless cells only), by tokens per target step."""
     out, cells = [], matrix.get("cells") or []
     for t in matrix.get("temperatures") or []:
         bad = [c for c in cells if c["temperature"] == t and c.get("lossless") is False]
@@ -126,31 +131,49 @@ def matrix_findings(matrix: dict, warn_below: float) -> list[dict]:
                                    "the engine's fault, not the draft's, and the matrix does not show it as the draft's."})
     head = headline_cell(matrix)
     for c in cells:
-        if not c["method"].startswith("eagle3") or c.get("lossless") is False or c.get("acceptance_length") is None:
+        if not c["method"].startswith("eagle3") or c.get("lossless") is False or c.get("tokens_per_step") is None:
             continue
         where = f"{c['method']} on {c['set']} at T={c['temperature']:g}"
         ngram = _cell(matrix, NGRAM, c["set"], c["temperature"])
-        if ngram and c is not head and ngram.get("lossless") is not False and ngram.get("acceptance_length") is not None \
-                and c["acceptance_length"] < ngram["acceptance_length"]:
+        if ngram and c is not head and ngram.get("lossless") is not False and ngram.get("tokens_per_step") is not None \
+                and c["tokens_per_step"] < ngram["tokens_per_step"]:
             out.append({"kind": "matrix_ngram", "cell": [c["method"], c["set"], c["temperature"]],
-                        "message": f"{where}: EAGLE-3's acceptance length {c['acceptance_length']:.3f} is below "
-                                   f"n-gram's {ngram['acceptance_length']:.3f}."})
-        ref = (head or {}).get("acceptance_length")
-        if ref and c is not head and c["acceptance_length"] < warn_below * ref:
+                        "message": f"{where}: EAGLE-3 makes {c['tokens_per_step']:.3f} tokens per target step, below "
+                                   f"n-gram's {ngram['tokens_per_step']:.3f} ({per_drafted_step(c, ngram)})."})
+        ref = (head or {}).get("tokens_per_step")
+        if ref and c is not head and c["tokens_per_step"] < warn_below * ref:
             out.append({"kind": "matrix_drop", "cell": [c["method"], c["set"], c["temperature"]],
-                        "message": f"{where}: acceptance length {c['acceptance_length']:.3f} is "
-                                   f"{c['acceptance_length'] / ref:.0%} of the held-out T=0 figure {ref:.3f} "
+                        "message": f"{where}: {c['tokens_per_step']:.3f} tokens per target step is "
+                                   f"{c['tokens_per_step'] / ref:.0%} of the held-out T=0 figure {ref:.3f} "
                                    f"(below {warn_below:.0%}): the draft serves this set or temperature less well."})
     return out
 
 
+def per_drafted_step(eagle: dict, ngram: dict) -> str:
+    """vLLM's own acceptance lengths of an EAGLE-3 and an n-gram figure, said as what they are: per drafted
+    step, with the share of steps that drafted (what makes them incomparable)."""
+    return f"vLLM's acceptance length per drafted step: EAGLE-3 {drafted_said(eagle)}, n-gram {drafted_said(ngram)}"
+
+
+def drafted_said(r: dict) -> str:
+    """One run's vLLM acceptance length with the share of its steps that drafted: "2.250 (drafted on 20% of steps)"."""
+    share = r.get("drafted_share")
+    return _f3(r.get("acceptance_length")) + ("" if share is None else f" (drafted on {share:.0%} of steps)")
+
+
+def _f3(v) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
 NOT_LOSSLESS = "engine not lossless"
+# How the report labels vLLM's 1 + accepted / drafts wherever it shows it.
+PER_DRAFTED_STEP = "acceptance length per drafted step (vLLM's figure)"
 
 
 def _shown(c: dict | None) -> str:
-    if c is None or c.get("acceptance_length") is None:
+    if c is None or c.get("tokens_per_step") is None:
         return "–"
-    return NOT_LOSSLESS if c.get("lossless") is False else f"{c['acceptance_length']:.2f}"
+    return NOT_LOSSLESS if c.get("lossless") is False else f"{c['tokens_per_step']:.2f}"
 
 
 def _pair(e: dict | None, n: dict | None) -> str:
@@ -161,7 +184,7 @@ def _pair(e: dict | None, n: dict | None) -> str:
 
 
 def acceptance_table(matrix: dict) -> pd.DataFrame:
-    """Sets × temperatures: EAGLE-3's acceptance length (n-gram's in brackets), the offline prediction
+    """Sets × temperatures: EAGLE-3's tokens per target step (n-gram's in brackets), the offline prediction's
     beside the T=0 column; a cell where the engine is not lossless says so instead of a number."""
     rows = []
     for s in matrix.get("sets") or []:
@@ -171,23 +194,25 @@ def acceptance_table(matrix: dict) -> pd.DataFrame:
             row[f"T={t:g}"] = _pair(e, n)
             if t == 0:
                 off = matrix.get("offline") or {}
-                row["offline (T=0)"] = (f"{off['acceptance_length']:.2f}" if s["name"] == off.get("set")
-                                        and off.get("acceptance_length") is not None else "–")
+                row["offline (T=0)"] = (f"{off['tokens_per_step']:.2f}" if s["name"] == off.get("set")
+                                        and off.get("tokens_per_step") is not None else "–")
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def cells_table(matrix: dict) -> pd.DataFrame:
-    """Every cell with its speed-up, output tokens and the losslessness check, for the report."""
+    """Every cell with its tokens per target step, vLLM's acceptance length per drafted step beside it (so
+    labelled), its speed-up, output tokens and the losslessness check, for the report."""
     df = cells_frame(matrix)
     if df.empty:
         return df
-    df = df[["method", "set", "temperature", "acceptance_length", "speedup", "output_tokens", "output_tokens_per_s",
-             "score", "score_difference", "lossless_p", "lossless"]].copy()
-    df["acceptance_length"] = [("not lossless: " if ok is False else "") + (f"{v:.3f}" if pd.notna(v) else "–")
-                               for v, ok in zip(df["acceptance_length"], df["lossless"])]
+    df = df[["method", "set", "temperature", "tokens_per_step", "drafted_share", "acceptance_length", "speedup",
+             "output_tokens", "output_tokens_per_s", "score", "score_difference", "lossless_p", "lossless"]].copy()
+    df["tokens_per_step"] = [("not lossless: " if ok is False else "") + (f"{v:.3f}" if pd.notna(v) else "–")
+                             for v, ok in zip(df["tokens_per_step"], df["lossless"])]
     df["lossless"] = df["lossless"].map({True: "yes", False: "NO"}).fillna("(reference)")
-    return df
+    return df.rename(columns={"tokens_per_step": "tokens per target step", "drafted_share": "share of steps drafted",
+                              "acceptance_length": PER_DRAFTED_STEP})
 
 
 def frame_html(df: pd.DataFrame) -> str:
@@ -196,7 +221,7 @@ def frame_html(df: pd.DataFrame) -> str:
 
 
 def acceptance_chart(matrix: dict) -> str:
-    """Acceptance length by set and temperature, EAGLE-3 and n-gram side by side (cells where the
+    """Tokens per target step by set and temperature, EAGLE-3 and n-gram side by side (cells where the
     engine is not lossless drawn as no bar)."""
     cats, eagle, ngram = [], [], []
     for s in matrix.get("sets") or []:
@@ -204,24 +229,26 @@ def acceptance_chart(matrix: dict) -> str:
             cats.append(f"{s['name']} T={t:g}")
             for series, method in ((eagle, "eagle3"), (ngram, NGRAM)):
                 c = _cell(matrix, method, s["name"], t)
-                series.append(None if c is None or c.get("lossless") is False else c.get("acceptance_length"))
+                series.append(None if c is None or c.get("lossless") is False else c.get("tokens_per_step"))
     k = matrix.get("num_speculative_tokens") or 3
-    return bar_chart(cats, [("EAGLE-3", eagle), ("n-gram", ngram)], title="Acceptance length by set and temperature",
+    return bar_chart(cats, [("EAGLE-3", eagle), ("n-gram", ngram)], title="Tokens per target step by set and temperature",
                      xlabel="evaluation set, temperature (no bar: engine not lossless there)",
-                     ylabel="acceptance length", ylim=(0, k + 1), width=max(560, 90 * len(cats) + 212))
+                     ylabel="tokens per target step", ylim=(0, k + 1), width=max(560, 90 * len(cats) + 212))
 
 
 def matrix_html(matrix: dict) -> str:
     temps = ", ".join(f"{t:g}" for t in matrix.get("temperatures") or [])
     return "\n".join([
-        "<h2>Acceptance by evaluation set and temperature</h2>",
+        "<h2>Tokens per target step by evaluation set and temperature</h2>",
         frame_html(acceptance_table(matrix)),
-        f'<p class="muted">EAGLE-3\'s mean acceptance length in vLLM (n-gram\'s in brackets) at temperatures {esc(temps)}, '
+        f'<p class="muted">EAGLE-3\'s tokens per target step in vLLM (n-gram\'s in brackets) at temperatures {esc(temps)}, '
         f'top_p {esc(matrix.get("top_p"))}, seed {esc(matrix.get("seed"))}, the same settings for the target alone. '
         "The offline prediction is computed at T=0 only (greedy chains), on the held-out set: it sits beside the "
         "T=0 column. At T&gt;0 every output is scored under the target (mean log-prob per token) and compared with "
         "the target alone's: a cell beyond the bound reads \"engine not lossless\" (its figures are in the table "
-        "below, not as the draft's).</p>",
+        "below, not as the draft's). Tokens per target step = (completion tokens − requests) / decode steps, every "
+        "step counted; vLLM's acceptance length (1 + accepted / drafts) counts only the steps that drafted, which "
+        "n-gram does on some steps only: it is in the table below, labelled per drafted step.</p>",
         f'<div class="plots">{acceptance_chart(matrix)}</div>',
         "<details><summary>Every cell (one request at a time; speed-up against the target alone at the same "
         "settings)</summary>",
@@ -237,5 +264,6 @@ def matrix_markdown(matrix: dict) -> list[str]:
         return []
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join("–" if pd.isna(v) else str(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return ["Acceptance length by evaluation set and temperature (EAGLE-3, n-gram in brackets; offline at T=0 only):",
+    return ["Tokens per target step by evaluation set and temperature (EAGLE-3, n-gram in brackets; offline at T=0 "
+            "only; every decode step counted, not only those that drafted):",
             "", *lines, ""]
