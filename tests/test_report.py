@@ -14,18 +14,24 @@ from eaglenest.validation.report import (build_report, export_differences, findi
                                          train_summary, write_report)
 from tests.test_train import run
 
+# n-gram's acceptance length (per drafted step) is above EAGLE-3's, its tokens per target step far below: the
+# report must compare the latter (a finding would fire on the former).
 RUNS = {
     "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
                  "one_request": {"output_tokens_per_s": 50.0, "ms_per_token": 20.0, "passes": 1},
+                 "tokens_per_step": 1.0, "drafted_share": 0.0,
                  "answers": [{"completion_token_ids": [1, 2], "prompt_token_ids": [0]}]},
     "eagle3": {"output_tokens_per_s": 180.0, "acceptance_length": 2.5, "acceptance_rate": 0.5,
+               "tokens_per_step": 2.45, "drafted_share": 1.0,
                "one_request": {"output_tokens_per_s": 110.0, "ms_per_token": 9.1, "passes": 1},
                "per_position": [0.8, 0.45, 0.25], "answers": []},
-    "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 1.3, "acceptance_rate": 0.1,
+    "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 2.6, "acceptance_rate": 0.53,
+              "tokens_per_step": 1.3, "drafted_share": 0.2,
               "one_request": {"output_tokens_per_s": 60.0, "ms_per_token": 16.7, "passes": 1},
-              "per_position": [0.2, 0.07, 0.03], "answers": []},
+              "per_position": [0.8, 0.5, 0.3], "answers": []},
 }
-OFFLINE = {"acceptance_length": 2.6, "acceptance_rate": 0.53, "per_position": [0.82, 0.48, 0.3]}
+OFFLINE = {"acceptance_length": 2.6, "acceptance_rate": 0.53, "per_position": [0.82, 0.48, 0.3], "tokens_per_step": 2.55,
+           "drafted_share": 1.0}
 CURVES = {"step": [1.0, 2.0, 3.0], "loss": [3.0, 2.0, 1.5], "loss_0": [1.0, 0.7, 0.5], "loss_1": [1.2, 0.9, 0.6],
           "acc_0": [0.3, 0.6, 0.8], "acc_1": [0.2, 0.4, 0.6], "ttt_length": 2}
 
@@ -43,27 +49,33 @@ def test_report_holds_the_promised_keys():
     for key in ("target", "draft", "num_speculative_tokens", "prompts", "eagle3", "ngram", "baseline", "offline", "speedup"):
         assert key in r, key
     for name in ("eagle3", "ngram"):
-        assert {"acceptance_length", "acceptance_rate", "per_position", "output_tokens_per_s"} <= set(r[name])
-    assert "output_tokens_per_s" in r["baseline"] and {"acceptance_length", "per_position"} <= set(r["offline"])
+        assert {"tokens_per_step", "drafted_share", "acceptance_length", "acceptance_rate", "per_position",
+                "output_tokens_per_s"} <= set(r[name])
+    assert {"output_tokens_per_s", "tokens_per_step", "drafted_share"} <= set(r["baseline"])
+    assert {"tokens_per_step", "drafted_share", "acceptance_length", "per_position"} <= set(r["offline"])
     # the headline speed-up is one request at a time's; the configured concurrency's beside it
     assert r["speedup"] == pytest.approx(2.2) and r["speedup_concurrent"] == pytest.approx(1.8)
     assert r["ngram_speedup"] == pytest.approx(1.2) and r["ngram_speedup_concurrent"] == pytest.approx(1.1)
-    assert r["agreement"] == pytest.approx(2.5 / 2.6)
+    assert r["agreement"] == pytest.approx(2.45 / 2.55)  # per target step
     assert "answers" not in r["baseline"]
     json.dumps(r)  # serialisable as is
     assert r["warnings"] == []
 
 
 def test_disagreement_warning_fires_below_80_percent():
-    assert not [w for w in findings({"eagle3": {"acceptance_length": 2.01}, "offline": {"acceptance_length": 2.5}})
+    # by tokens per target step: vLLM's per-drafted-step figures here would say the opposite each time
+    assert not [w for w in findings({"eagle3": {"tokens_per_step": 2.01, "acceptance_length": 1.5},
+                                     "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})
                 if w["kind"] == "disagreement"]  # 80.4%
-    low = findings({"eagle3": {"acceptance_length": 1.99}, "offline": {"acceptance_length": 2.5}})  # 79.6%
+    low = findings({"eagle3": {"tokens_per_step": 1.99, "acceptance_length": 2.5},
+                    "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})  # 79.6%
     (w,) = [w for w in low if w["kind"] == "disagreement"]
-    assert "below 80%" in w["message"]
+    assert "makes 1.990 tokens per target step, 80% of the offline prediction's 2.500 (below 80%" in w["message"]
+    assert "acceptance length per drafted step (vLLM's figure): vLLM 2.500, offline 2.500" in w["message"]
     text = " ".join(w["causes"])
     for cause in ("off by one", "norm_before_residual", "d2t", "dtype", "chat template", "too little data"):
         assert cause in text, cause
-    r = _report(runs={**RUNS, "eagle3": {**RUNS["eagle3"], "acceptance_length": 1.2}})
+    r = _report(runs={**RUNS, "eagle3": {**RUNS["eagle3"], "tokens_per_step": 1.2}})
     assert r["warnings"][0]["kind"] == "disagreement"
     html = render_html(r, CURVES)
     top = html.index("<h2>Summary</h2>")
@@ -77,12 +89,20 @@ def test_html_is_self_contained_with_svg_plots(tmp_path):
     assert json.loads((tmp_path / "v.json").read_text())["speedup"] == pytest.approx(2.2)
     top = html.index("<h2>Summary</h2>")
     assert "one request at a time <b>2.20×</b>" in html[:top] and "1.80× with 8 requests in flight" in html[:top]
+    # the headline is per target step; vLLM's per-drafted-step figures beside it, so labelled
+    assert ("Tokens per target step in vLLM <b>2.45</b> (offline prediction 2.55, n-gram 1.30, the target alone 1; "
+            "acceptance length per drafted step (vLLM&#x27;s figure): EAGLE-3 2.500 (drafted on 100% of steps), "
+            "n-gram 2.600 (drafted on 20% of steps))") in html[:top]
     summary = html[top:html.index("<h2>Plots</h2>")]
-    for cell in ("1 request: ms/token", "8 in flight: output tok/s", "<td>9.10</td>", "<td>110.0</td>", "<td>2.20</td>"):
+    for cell in ("1 request: ms/token", "8 in flight: output tok/s", "<td>9.10</td>", "<td>110.0</td>", "<td>2.20</td>",
+                 "<th>tokens per target step</th>", "<th>share of steps drafted</th>",
+                 "<th>acceptance length per drafted step (vLLM&#x27;s figure)</th>", "<td>2.450</td>", "<td>1.300</td>",
+                 "<td>2.550</td>", "<td>0.20</td>", "<td>1.000</td>"):
         assert cell in summary, cell
     assert not re.search(r"https?://", html) and "<script" not in html and "<link" not in html and "<img" not in html
     assert html.count("<svg") == 4  # loss, accuracy, per-position acceptance, throughput
-    for title in ("Training loss", "Training top-1 accuracy", "Per-position acceptance rate", "Throughput in vLLM"):
+    for title in ("Training loss", "Training top-1 accuracy", "Per-position acceptance rate (per drafted step)",
+                  "Throughput in vLLM"):
         assert title in html
     assert "<polyline" in html and "<rect" in html
 
@@ -142,7 +162,7 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
     diffs = export_differences(tmp_path / "draft", ckpt)
     assert any("aux layer ids" in x for x in diffs) and any("norm_before_residual" in x for x in diffs)
     assert any("not offsets" in x for x in diffs)
-    found = findings({"eagle3": {"acceptance_length": 1.0}, "offline": {"acceptance_length": 2.0},
+    found = findings({"eagle3": {"tokens_per_step": 1.0}, "offline": {"tokens_per_step": 2.0},
                       "checks": {"export_vs_training": diffs}})
     assert [w["kind"] for w in found] == ["disagreement", "export"]
     causes = found[0]["causes"]
@@ -184,12 +204,26 @@ def test_speed_warning_follows_the_one_request_speed_up():
 def test_learning_curve_orders_the_kept_drafts_and_adds_the_final_one():
     from eaglenest.validation.report import learning_curve
 
-    points = [{"step": 20, "tokens": 200, "acceptance_length": 2.5, "per_position": [0.8], "prompts": 4},
-              {"step": 10, "tokens": 100, "acceptance_length": 2.0, "per_position": [0.6], "prompts": 4}]
+    points = [{"step": 20, "tokens": 200, "tokens_per_step": 2.4, "drafted_share": 1.0, "acceptance_length": 2.5,
+               "per_position": [0.8], "prompts": 4},
+              {"step": 10, "tokens": 100, "tokens_per_step": 1.9, "drafted_share": 1.0, "acceptance_length": 2.0,
+               "per_position": [0.6], "prompts": 4}]
     curves = {"step": [1.0, 2.0, 30.0], "tokens": [100.0, 100.0, 100.0]}
-    curve = learning_curve(points, {"acceptance_length": 2.4, "per_position": [0.7], "requests": 12}, curves, 4)
+    final = {"tokens_per_step": 2.2, "drafted_share": 1.0, "acceptance_length": 2.4, "per_position": [0.7], "requests": 12}
+    curve = learning_curve(points, final, curves, 4)
     assert [p["step"] for p in curve["points"]] == [10, 20, 30]
-    assert curve["points"][-1] == {"step": 30, "tokens": 300, "acceptance_length": 2.4, "acceptance_rate": None,
-                                   "per_position": [0.7], "prompts": 4, "final": True}
-    assert curve["last_gain"] == pytest.approx(-0.1)
-    assert learning_curve([], {"acceptance_length": 2.4}, curves, 4) is None
+    assert curve["points"][-1] == {"step": 30, "tokens": 300, "tokens_per_step": 2.2, "drafted_share": 1.0,
+                                   "acceptance_length": 2.4, "acceptance_rate": None, "per_position": [0.7],
+                                   "prompts": 4, "final": True}
+    assert curve["last_gain"] == pytest.approx(-0.2)  # per target step (per drafted step it is -0.1)
+    assert learning_curve([], final, curves, 4) is None
+
+
+def test_ngram_finding_compares_tokens_per_target_step():
+    """RUNS: n-gram ahead per drafted step (2.6 > 2.5), behind per step: no finding (test above). Ahead per step:
+    the finding, with vLLM's per-drafted-step figures said as such."""
+    ahead = {**RUNS, "ngram": {**RUNS["ngram"], "tokens_per_step": 2.5, "drafted_share": 0.94}}
+    (w,) = [w for w in _report(runs=ahead)["warnings"] if w["kind"] == "ngram"]
+    assert w["message"] == ("The EAGLE-3 draft (2.450 tokens per target step) does not beat n-gram speculation "
+                            "(2.500; vLLM's acceptance length per drafted step: EAGLE-3 2.500 (drafted on 100% of "
+                            "steps), n-gram 2.600 (drafted on 94% of steps)).")

@@ -1,4 +1,5 @@
-"""The learning curve: vLLM's acceptance of a draft kept along training (``train.snapshots``).
+"""The learning curve: vLLM's acceptance of a draft kept along training (``train.snapshots``), as tokens
+per target step (``vllm_facts.per_step``) beside vLLM's per-drafted-step acceptance length.
 
 ``measure_point`` exports one kept draft in vLLM's format, serves it on one server start and sends the
 held-out prompts at T=0 with ``validate.concurrency`` in flight: the acceptance of the headline cell, the
@@ -59,9 +60,10 @@ def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSe
              "temperature": 0.0, "max_tokens": s["max_tokens"], "k": k,
              "output_tokens": run["completion_tokens"], "seconds_to_ready": run["seconds_to_ready"],
              "seconds": round(time.time() - t0, 1),
-             **{key: run[key] for key in ("acceptance_length", "acceptance_rate", "per_position", "drafts",
-                                          "draft_tokens", "accepted")}}
+             **{key: run[key] for key in ("tokens_per_step", "drafted_share", "decode_steps", "acceptance_length",
+                                          "acceptance_rate", "per_position", "drafts", "draft_tokens", "accepted")}}
     write_atomic(json_path, point)
-    log(f"curve_point: step {point['step']} of {point['of_steps']}: acceptance length {point['acceptance_length']:.3f} "
+    log(f"curve_point: step {point['step']} of {point['of_steps']}: {point['tokens_per_step']:.3f} tokens per target "
+        f"step (vLLM's acceptance length per drafted step {point['acceptance_length']:.3f}) "
         f"({point['prompts']} prompts, {point['seconds']} s) -> {json_path}")
     return point

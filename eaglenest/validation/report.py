@@ -4,6 +4,11 @@
 cross-checks into ``validation.json``'s dict, with ``findings``: warnings in words, each pointing at
 its likely causes and what the checks say about each. ``write_report`` writes it and its page.
 
+Every comparison of methods (and of vLLM with the offline prediction) is by tokens per target step
+(``vllm_facts.per_step``): vLLM's acceptance length, 1 + accepted / drafts, counts only the steps that
+made a draft, and n-gram drafts on some steps only. vLLM's figure is shown beside it, labelled per
+drafted step (``matrix.PER_DRAFTED_STEP``).
+
 The page has inline SVG plots, no scripts, no links. Plots are drawn here as plain SVG (no plotting
 dependency): ``line_chart`` for training curves, ``bar_chart`` for grouped bars (per-position
 acceptance, throughput). ``render_html`` lays out the report dict.
@@ -23,16 +28,16 @@ import torch
 
 from ..config import defaults
 from ..draft.vllm_format import config_value, flat_config, state_dict_from_vllm
-from .matrix import matrix_findings, matrix_html, write_csv
+from .matrix import PER_DRAFTED_STEP, drafted_said, matrix_findings, matrix_html, per_drafted_step, write_csv
 from .plots import bar_chart, esc, line_chart
 
 
 
 # ----------------------------------------------------------------------------- the findings
 
-# vLLM's acceptance length below this share of the offline prediction is reported as a disagreement.
+# vLLM's tokens per target step below this share of the offline prediction's is reported as a disagreement.
 WARN_BELOW = defaults("validate")["warn_below"]
-# Two formats of the same weights served by vLLM at greedy decoding: acceptance lengths this close.
+# Two formats of the same weights served by vLLM at greedy decoding: tokens per target step this close.
 FORMATS_TOLERANCE = 0.01
 # The usual reasons a draft does worse in vLLM than offline or than in training, each with the
 # check (in report["checks"]) that speaks to it.
@@ -84,13 +89,15 @@ def learning_curve(points: list[dict], final: dict, curves: dict, prompts: int) 
     """vLLM's acceptance along training: the drafts kept along it (``curve.measure_point``'s points) and the
     final draft (its headline run, ``final``, over ``prompts`` held-out prompts), by step, with ``tokens`` trained so far (``curves``: the columns
     of train_metrics.csv), and ``last_gain``: what the last part of training added (None: no points)."""
-    if not points or not final.get("acceptance_length") or not curves.get("step"):
+    if not points or not final.get("tokens_per_step") or not curves.get("step"):
         return None
-    keep = ("step", "tokens", "acceptance_length", "acceptance_rate", "per_position", "prompts")
+    figures = ("tokens_per_step", "drafted_share", "acceptance_length", "acceptance_rate", "per_position")
+    keep = ("step", "tokens", *figures, "prompts")
     rows = [{key: p.get(key) for key in keep} for p in sorted(points, key=lambda p: p["step"])]
     rows.append({"step": int(curves["step"][-1]), "tokens": int(sum(curves.get("tokens") or [])),
-                 **{key: final.get(key) for key in keep[2:5]}, "prompts": prompts, "final": True})
-    return {"points": rows, "last_gain": rows[-1]["acceptance_length"] - rows[-2]["acceptance_length"]}
+                 **{key: final.get(key) for key in figures}, "prompts": prompts, "final": True})
+    last, before = rows[-1]["tokens_per_step"], rows[-2]["tokens_per_step"]
+    return {"points": rows, "last_gain": last - before if before is not None else None}
 
 
 def cross_checks(target, prompts, runs, generation, offline) -> dict:
@@ -140,9 +147,9 @@ def _evidence(report: dict) -> dict:
         notes["template"] = (f"FOUND: {n} prompts tokenized differently by vLLM" if n
                              else "vLLM's prompt tokens equal apply_chat_template's for every prompt")
     t, o = report.get("train") or {}, report.get("offline") or {}
-    if t.get("predicted_acceptance_length") and o.get("acceptance_length"):
-        notes["data"] = (f"training accuracy implies {t['predicted_acceptance_length']:.2f}, held-out offline "
-                         f"{o['acceptance_length']:.2f} after {t.get('steps')} steps")
+    if t.get("predicted_acceptance_length") and o.get("tokens_per_step"):
+        notes["data"] = (f"training accuracy implies {t['predicted_acceptance_length']:.2f} tokens per step, held-out "
+                         f"offline {o['tokens_per_step']:.2f} after {t.get('steps')} steps")
     return notes
 
 
@@ -154,29 +161,32 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
     checks = report.get("checks") or {}
     notes = _evidence(report)
     causes = [text + (f" [{notes[key]}]" if key in notes else "") for key, text in LIKELY_CAUSES.items()]
-    vllm_al, off_al = e.get("acceptance_length"), o.get("acceptance_length")
+    vllm_al, off_al = e.get("tokens_per_step"), o.get("tokens_per_step")
     if vllm_al is not None and off_al is not None and vllm_al < warn_below * off_al:
         out.append({
             "kind": "disagreement",
-            "message": f"vLLM's mean acceptance length {vllm_al:.3f} is {vllm_al / off_al:.0%} of the offline "
-                       f"prediction {off_al:.3f} (below {warn_below:.0%}): vLLM does not run the draft the way it "
-                       f"was trained and evaluated. Likely causes:",
+            "message": f"In vLLM the draft makes {vllm_al:.3f} tokens per target step, {vllm_al / off_al:.0%} of the "
+                       f"offline prediction's {off_al:.3f} (below {warn_below:.0%}; {PER_DRAFTED_STEP}: vLLM "
+                       f"{_f3(e.get('acceptance_length'))}, offline {_f3(o.get('acceptance_length'))}): vLLM does not "
+                       f"run the draft the way it was trained and evaluated. Likely causes:",
             "causes": causes,
         })
+    # Training accuracy implies a length per draft; offline every step drafts, so per step is the same figure.
     train_al = t.get("predicted_acceptance_length")
     if train_al and off_al is not None and off_al < warn_below * train_al:
         out.append({
             "kind": "training_gap",
-            "message": f"On the held-out prompts the draft reaches an acceptance length of {off_al:.3f} offline, "
+            "message": f"On the held-out prompts the draft makes {off_al:.3f} tokens per target step offline, "
                        f"{off_al / train_al:.0%} of the {train_al:.3f} its final training accuracy implies: the exported "
                        f"draft is not the trained one, or it fits its training data only. Likely causes:",
             "causes": [c for c, key in zip(causes, LIKELY_CAUSES) if key in ("aux_layers", "norm_before_residual", "d2t", "data")],
         })
     agree = report.get("formats_agree")
     if agree and not agree["agree"]:
-        shown = ", ".join(f"{f} {v:.3f}" for f, v in agree["acceptance_lengths"].items())
+        shown = ", ".join(f"{f} {v:.3f}" for f, v in agree["tokens_per_step"].items())
         out.append({"kind": "formats", "message": f"The exported formats of the same weights are accepted differently "
-                    f"in vLLM ({shown}; they differ by {agree['difference']:.3f}, more than {agree['tolerance']}): one "
+                    f"in vLLM ({shown} tokens per target step; they differ by {agree['difference']:.3f}, more than "
+                    f"{agree['tolerance']}): one "
                     "format's config.json is read differently (norm_before_residual's default differs between them)."})
     if checks.get("export_vs_training"):
         out.append({"kind": "export", "message": "The exported draft differs from the training checkpoint: "
@@ -193,9 +203,9 @@ def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
         shown = ", ".join(f"{name} {m}" for name, m in checks["execution"].items())
         out.append({"kind": "execution", "message": f"The vLLM runs did not execute the same way ({shown}): their "
                     "speeds are not comparable; give every run the same server.extra_args (--enforce-eager or none)."})
-    if vllm_al is not None and n.get("acceptance_length") is not None and vllm_al <= n["acceptance_length"]:
-        out.append({"kind": "ngram", "message": f"The EAGLE-3 draft ({vllm_al:.3f}) does not beat n-gram "
-                    f"speculation ({n['acceptance_length']:.3f}) on acceptance length."})
+    if vllm_al is not None and n.get("tokens_per_step") is not None and vllm_al <= n["tokens_per_step"]:
+        out.append({"kind": "ngram", "message": f"The EAGLE-3 draft ({vllm_al:.3f} tokens per target step) does not "
+                    f"beat n-gram speculation ({n['tokens_per_step']:.3f}; {per_drafted_step(e, n)})."})
     loads = {key: max((report.get(key) or {}).get("load_average") or [0]) for key in ("baseline", "eagle3", "ngram")}
     cores = os.cpu_count() or 1
     if max(loads.values()) > 1.5 * cores:
@@ -246,6 +256,10 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     return diffs
 
 
+def _f3(v) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -262,12 +276,12 @@ def _identical(answers_a, answers_b) -> float | None:
 
 
 def format_agreement(formats: dict) -> dict | None:
-    """Whether the exported formats' acceptance lengths in vLLM agree (within ``FORMATS_TOLERANCE``)."""
-    lengths = {f: r.get("acceptance_length") for f, r in formats.items()}
+    """Whether the exported formats' tokens per target step in vLLM agree (within ``FORMATS_TOLERANCE``)."""
+    lengths = {f: r.get("tokens_per_step") for f, r in formats.items()}
     if len(lengths) < 2 or None in lengths.values():
         return None
     spread = max(lengths.values()) - min(lengths.values())
-    return {"acceptance_lengths": lengths, "difference": spread, "tolerance": FORMATS_TOLERANCE,
+    return {"tokens_per_step": lengths, "difference": spread, "tolerance": FORMATS_TOLERANCE,
             "agree": spread <= FORMATS_TOLERANCE}
 
 
@@ -297,7 +311,8 @@ def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offli
         "ngram_speedup": _ratio(_one(n), _one(b)),
         "speedup_concurrent": _ratio(e.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
         "ngram_speedup_concurrent": _ratio(n.get("output_tokens_per_s"), b.get("output_tokens_per_s")),
-        "agreement": _ratio(e.get("acceptance_length"), (offline or {}).get("acceptance_length")),
+        # vLLM's tokens per target step over the offline prediction's
+        "agreement": _ratio(e.get("tokens_per_step"), (offline or {}).get("tokens_per_step")),
         "formats": per_format,
         "formats_agree": format_agreement(per_format),
         "checks": checks,
@@ -374,8 +389,8 @@ def _plots(report, train_curves):
         if per:
             series.append((label, list(per) + [None] * (k - len(per))))
     if series:
-        plots.append(bar_chart(cats, series, title="Per-position acceptance rate", xlabel="draft position",
-                               ylabel="accepted / drafts", ylim=(0, 1.0)))
+        plots.append(bar_chart(cats, series, title="Per-position acceptance rate (per drafted step)",
+                               xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1.0)))
     runs = [("baseline", "target alone"), ("eagle3", "EAGLE-3"), ("ngram", "n-gram")]
     ones = [_one(report.get(key) or {}) for key, _ in runs]
     tps = [(report.get(key) or {}).get("output_tokens_per_s") for key, _ in runs]
@@ -388,24 +403,27 @@ def _plots(report, train_curves):
 
 
 def _curve_html(curve: dict | None, ngram: float | None) -> list[str]:
-    """The learning curve: vLLM's acceptance length of the drafts kept along training and of the final one."""
+    """The learning curve: vLLM's tokens per target step of the drafts kept along training and of the final
+    one (``ngram``: n-gram's tokens per target step, drawn flat)."""
     if not curve:
         return []
     rows, gain = curve["points"], curve["last_gain"]
     steps = [r["step"] for r in rows]
-    series = [("EAGLE-3 in vLLM", steps, [r["acceptance_length"] for r in rows])]
+    series = [("EAGLE-3 in vLLM", steps, [r.get("tokens_per_step") for r in rows])]
     if ngram is not None:
         series.append(("n-gram in vLLM", [steps[0], steps[-1]], [ngram, ngram]))
-    verdict = (f"The last {rows[-1]['step'] - rows[-2]['step']} steps added {gain:+.3f} to the acceptance length: "
-               + ("more training still pays." if gain >= 0.05 else "the draft has about stopped learning from this data."
-                  if gain > -0.05 else "it went down: the draft overfits this data."))
+    verdict = "" if gain is None else (
+        f"The last {rows[-1]['step'] - rows[-2]['step']} steps added {gain:+.3f} tokens per target step: "
+        + ("more training still pays." if gain >= 0.05 else "the draft has about stopped learning from this data."
+           if gain > -0.05 else "it went down: the draft overfits this data."))
     return ["<h2>Acceptance along training</h2>", f"<p>{esc(verdict)}</p>",
-            _table(["draft", "step", "tokens trained", "acceptance length", "per position"],
+            _table(["draft", "step", "tokens trained", "tokens per target step", PER_DRAFTED_STEP, "per position"],
                    [["final" if r.get("final") else f"kept at step {r['step']}", _num(r["step"]), f'{r["tokens"]:,}',
-                     _num(r["acceptance_length"], 3), ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–"]
+                     _num(r.get("tokens_per_step"), 3), _num(r.get("acceptance_length"), 3),
+                     ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–"]
                     for r in rows]),
-            line_chart(series, title="Acceptance along training (held-out set, T=0)", xlabel="optimizer step",
-                       ylabel="acceptance length"),
+            line_chart(series, title="Tokens per target step along training (held-out set, T=0)",
+                       xlabel="optimizer step", ylabel="tokens per target step"),
             '<p class="muted">Each kept draft is served by its own vLLM start (rule curve_point, train.snapshots) and '
             'sent the held-out prompts at T=0; the final draft\'s point is its headline run above.</p>']
 
@@ -439,8 +457,10 @@ def _verdict_html(report: dict) -> list[str]:
     e, o, n, b = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "baseline"))
     warnings = report.get("warnings") or []
     concurrency = (report.get("settings") or {}).get("concurrency")
-    headline = (f"Mean acceptance length in vLLM <b>{_num(e.get('acceptance_length'), 2)}</b> "
-                f"(offline prediction {_num(o.get('acceptance_length'), 2)}, n-gram {_num(n.get('acceptance_length'), 2)}); "
+    headline = (f"Tokens per target step in vLLM <b>{_num(e.get('tokens_per_step'), 2)}</b> "
+                f"(offline prediction {_num(o.get('tokens_per_step'), 2)}, n-gram {_num(n.get('tokens_per_step'), 2)}, "
+                f"the target alone 1; {esc(PER_DRAFTED_STEP)}: EAGLE-3 {esc(drafted_said(e))}, "
+                f"n-gram {esc(drafted_said(n))}); "
                 f"speed-up over the target alone with one request at a time <b>{_num(report.get('speedup'), 2)}×</b> "
                 f"(n-gram {_num(report.get('ngram_speedup'), 2)}×; {_num(report.get('speedup_concurrent'), 2)}× with "
                 f"{esc(concurrency)} requests in flight{_execution_note(b, e, n)}).")
@@ -466,7 +486,8 @@ def _summary_rows(report: dict) -> list[list[str]]:
     rows = []
     for label, r in [("target alone", b), *drafts, ("n-gram", n)]:
         one = r.get("one_request") or {}
-        rows.append([esc(label), _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
+        rows.append([esc(label), _num(r.get("tokens_per_step"), 3), _num(r.get("drafted_share"), 2),
+                     _num(r.get("acceptance_length"), 3), _num(r.get("acceptance_rate"), 3),
                      ", ".join(_num(p, 3) for p in r.get("per_position") or []) or "–",
                      _num(one.get("output_tokens_per_s"), 1), _num(one.get("ms_per_token"), 2),
                      _num(_ratio(one.get("output_tokens_per_s"), base_one), 2),
@@ -475,12 +496,13 @@ def _summary_rows(report: dict) -> list[list[str]]:
                      f'{_num(one.get("passes"))} + {_num(r.get("passes"))}',
                      _num((one.get("completion_tokens") or 0) + (r.get("completion_tokens") or 0)),
                      _num((one.get("wall_s") or 0.0) + (r.get("wall_s") or 0.0), 1)])
-    rows.append(["offline prediction", _num(o.get("acceptance_length"), 3), _num(o.get("acceptance_rate"), 3),
+    rows.append(["offline prediction", _num(o.get("tokens_per_step"), 3), _num(o.get("drafted_share"), 2),
+                 _num(o.get("acceptance_length"), 3), _num(o.get("acceptance_rate"), 3),
                  ", ".join(_num(p, 3) for p in o.get("per_position") or []) or "–", "–", "–", "–", "–", "–", "–",
                  "1", _num(o.get("completion_tokens")), _num(o.get("seconds"), 1)])
     t = report.get("train") or {}
     if t.get("predicted_acceptance_length") is not None:
-        rows.append(["from training accuracy", _num(t.get("predicted_acceptance_length"), 3), "–",
+        rows.append(["from training accuracy", "–", "–", _num(t.get("predicted_acceptance_length"), 3), "–",
                      ", ".join(_num(p, 3) for p in t.get("predicted_per_position") or []),
                      *["–"] * 9])
     return rows
@@ -490,21 +512,29 @@ def _summary_html(report: dict) -> list[str]:
     """The summary table, how its figures are made, and whether the exported formats agree."""
     concurrency = (report.get("settings") or {}).get("concurrency")
     parts = ["<h2>Summary</h2>"]
-    parts.append(_table(["run", "acceptance length", "acceptance rate", "per position",
+    parts.append(_table(["run", "tokens per target step", "share of steps drafted", PER_DRAFTED_STEP,
+                         "acceptance rate", "per position",
                          "1 request: output tok/s", "1 request: ms/token", "1 request: speed-up",
                          f"{esc(concurrency)} in flight: output tok/s", f"{esc(concurrency)} in flight: mean latency s",
                          f"{esc(concurrency)} in flight: speed-up", "passes (1 + n)", "completion tokens", "wall s"],
                         _summary_rows(report)))
-    parts.append(f'<p class="muted">Acceptance length = 1 + accepted / drafts (the bonus token included); '
-                 f'rates from differences of vLLM\'s /metrics counters around each run\'s timed requests. Each run '
+    parts.append(f'<p class="muted">Tokens per target step = (completion tokens − requests) / decode steps, '
+                 f'decode steps = completion tokens − requests − accepted tokens (each request\'s first token comes '
+                 f'from its prefill, every later target step yields 1 + its accepted tokens), never fewer than the '
+                 f'drafts: every step counted, whether it drafted or not; the target alone makes 1. vLLM\'s acceptance '
+                 f'length = 1 + accepted / drafts (the bonus token included) counts only the steps that made a draft '
+                 f'(share of steps drafted): n-gram drafts where its lookup finds a match, so its figure is per drafted '
+                 f'step and does not compare with EAGLE-3\'s, which drafts on every step. '
+                 f'Rates from differences of vLLM\'s /metrics counters around each run\'s timed requests, over all of '
+                 f'them (every pass of both phases). Each run '
                  f'is one server start: the prompts sent one request at a time, then validate.concurrency in flight, '
                  f'each phase sending the set again until its window lasts validate.min_seconds ("passes"). ms/token: '
                  f'a request\'s latency over its output tokens (prefill included). Speed-up = output tok/s over the '
-                 f'target alone\'s. vLLM / offline acceptance length: {_num(report.get("agreement"), 3)}.</p>')
+                 f'target alone\'s. vLLM / offline tokens per target step: {_num(report.get("agreement"), 3)}.</p>')
     agree = report.get("formats_agree")
     if agree:
         verdict = "agree" if agree["agree"] else "<b>disagree</b>"
-        parts.append(f'<p>The exported formats {verdict} in vLLM: acceptance lengths differ by '
+        parts.append(f'<p>The exported formats {verdict} in vLLM: tokens per target step differ by '
                      f'{_num(agree["difference"], 4)} (tolerance {agree["tolerance"]}).</p>')
     for f, r in (report.get("formats") or {"vllm": report.get("eagle3") or {}}).items():
         if r.get("served_as"):
@@ -520,7 +550,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
         parts.append("<h2>Held-out set at T=0: vLLM against the offline prediction</h2>")
     parts += _verdict_html(report)
     parts += _summary_html(report)
-    parts += _curve_html(report.get("curve"), (report.get("ngram") or {}).get("acceptance_length"))
+    parts += _curve_html(report.get("curve"), (report.get("ngram") or {}).get("tokens_per_step"))
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")
 
