@@ -117,12 +117,20 @@ def test_model_cards_have_hub_front_matter_and_take_the_validation_figures(both)
         assert meta["license"] == "apache-2.0" and meta["datasets"] == ["org/prompts"] and "eagle3" in meta["tags"]
         assert serve in text
         report = {"prompts": 8, "num_speculative_tokens": 3, "max_tokens": 64, "baseline": {"output_tokens_per_s": 100.0},
-                  "formats": {fmt: {"acceptance_length": 2.345, "per_position": [0.8, 0.5, 0.2], "output_tokens_per_s": 150.0}},
-                  "offline": {"acceptance_length": 2.4}}
+                  "formats": {fmt: {"tokens_per_step": 2.3, "acceptance_length": 2.345, "per_position": [0.8, 0.5, 0.2],
+                                    "output_tokens_per_s": 150.0}},
+                  "offline": {"tokens_per_step": 2.4, "acceptance_length": 2.45},
+                  "ngram": {"tokens_per_step": 1.25, "acceptance_length": 2.25, "drafted_share": 0.2}}
         write_validation(both / fmt, report, fmt)
-        write_validation(both / fmt, {**report, "formats": {fmt: {"acceptance_length": 2.5}}}, fmt)  # replaces, not appends
+        second = {fmt: {"tokens_per_step": 2.5, "acceptance_length": 2.6}}
+        write_validation(both / fmt, {**report, "formats": second}, fmt)  # replaces, not appends
         text = (both / fmt / "README.md").read_text()
-        assert text.count(VALIDATION_MARK) == 1 and "2.500" in text and "2.345" not in text and "2.400" in text
+        assert text.count(VALIDATION_MARK) == 1 and "2.345" not in text and "2.300" not in text
+        assert "| tokens per target step in vLLM (the target alone: 1) | 2.500 |" in text
+        assert "| offline prediction, tokens per target step | 2.400 |" in text
+        assert "| n-gram speculation in vLLM, tokens per target step | 1.250 |" in text
+        assert ("| acceptance length per drafted step (vLLM's figure): this draft, n-gram | 2.600, 2.250 "
+                "(n-gram drafted on 20% of steps) |") in text
         assert yaml.safe_load(text.split("---")[1]) == meta
 
 

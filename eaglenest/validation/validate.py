@@ -460,8 +460,8 @@ def _offline_prediction(target, draft_dir, runs: dict, prompts, s: dict, k: int,
     offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts, max_tokens=s["max_tokens"],
                                  chat_template_kwargs=generation.get("chat_template_kwargs"), dtype=offline_dtype,
                                  device=off["device"], model=model)
-    log(f"validate_draft: offline acceptance length {offline['acceptance_length']:.3f} "
-        f"({offline['drafts']} drafts, {offline['seconds']} s)")
+    log(f"validate_draft: offline {_fmt(offline['tokens_per_step'])} tokens per target step (acceptance length per "
+        f"drafted step {_fmt(offline['acceptance_length'])}; {offline['drafts']} drafts, {offline['seconds']} s)")
     return model, offline
 
 
@@ -491,15 +491,20 @@ def _report(drafts: dict, formats: dict, runs: dict, offline: dict, sets, s: dic
 
 
 def _log_summary(report: dict, offline: dict, concurrency, json_path, html_path, log) -> None:
-    per_format = ", ".join(f"{f} format {r['acceptance_length']:.3f}" for f, r in report["formats"].items())
-    versus = f"{offline['acceptance_length']:.3f} offline" if "acceptance_length" in offline else "no offline prediction"
-    log(f"validate_draft: EAGLE-3 acceptance length ({per_format}) in vLLM vs {versus}, "
-        f"n-gram {report['ngram']['acceptance_length']:.3f}; speed-up ×{report['speedup']:.2f} one request "
-        f"at a time, ×{report['speedup_concurrent']:.2f} at {concurrency} in flight; "
-        f"{len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
+    """The validation in one line: tokens per target step (the comparison), vLLM's per-drafted-step figure beside."""
+    per_format = ", ".join(f"{f} format {_fmt(r.get('tokens_per_step'))}" for f, r in report["formats"].items())
+    versus = (f"{_fmt(offline['tokens_per_step'])} offline" if offline.get("tokens_per_step") is not None
+              else "no offline prediction")
+    e, n = report["eagle3"], report["ngram"]
+    log(f"validate_draft: EAGLE-3 tokens per target step ({per_format}) in vLLM vs {versus}, "
+        f"n-gram {_fmt(n.get('tokens_per_step'))} (vLLM's acceptance length per drafted step: EAGLE-3 "
+        f"{_fmt(e.get('acceptance_length'))}, n-gram {_fmt(n.get('acceptance_length'))} drafting on "
+        f"{_fmt(n.get('drafted_share'), '.0%')} of steps); speed-up ×{report['speedup']:.2f} (n-gram "
+        f"×{_fmt(report.get('ngram_speedup'), '.2f')}) one request at a time, ×{report['speedup_concurrent']:.2f} at "
+        f"{concurrency} in flight; {len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
     if report.get("curve"):
-        log("validate_draft: acceptance along training: " + ", ".join(
-            f"step {p['step']} {p['acceptance_length']:.3f}" for p in report["curve"]["points"]))
+        log("validate_draft: tokens per target step along training: " + ", ".join(
+            f"step {p['step']} {_fmt(p.get('tokens_per_step'))}" for p in report["curve"]["points"]))
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, settings: ValidateSettings | None = None,
