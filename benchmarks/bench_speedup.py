@@ -5,8 +5,10 @@ for the embedded default, after `make run`). Each method gets one vLLM start (th
 settings: config.yaml's server, validate.num_speculative_tokens and validate.ngram); on it the
 held-out prompts are sent one request at a time, `--runs` times (each run resent until it lasts
 validate.min_seconds), then once at validate.concurrency. Prints every run's output tokens/s, the
-medians, the speed-ups (median over median), the acceptance length and the 1-minute load average
-around each method, then a SUMMARY line of JSON.
+medians, the speed-ups (median over median), the tokens per target step (vllm_facts.per_step: every
+decode step counted) beside vLLM's acceptance length (per drafted step), n-gram simulated offline on the
+target alone's greedy answers (predict.ngram_acceptance: the same figures without a server), and the
+1-minute load average around each method, then a SUMMARY line of JSON.
 
     .venv/bin/python benchmarks/bench_speedup.py --runs 3
 """
@@ -28,6 +30,7 @@ from eaglenest.config import load_config  # noqa: E402
 from eaglenest.draft.vllm_format import how_to_serve
 from eaglenest.serving.settings import ServerConfig  # noqa: E402
 from eaglenest.vllm_facts import speculative_config  # noqa: E402
+from eaglenest.validation.predict import ngram_acceptance  # noqa: E402
 from eaglenest.validation.validate import measure_run, read_prompts, request_settings, resolve_settings  # noqa: E402
 
 
@@ -63,19 +66,29 @@ def main(argv=None) -> None:
         runs = one.get("runs_output_tokens_per_s") or [one["output_tokens_per_s"]]
         results[name] = {"one_request_tokens_per_s": runs, "median": statistics.median(runs),
                          "ms_per_token": one["ms_per_token"], "concurrent_tokens_per_s": r["output_tokens_per_s"],
+                         "tokens_per_step": r.get("tokens_per_step"), "drafted_share": r.get("drafted_share"),
                          "acceptance_length": r.get("acceptance_length"), "load_average": r["load_average"]}
+        if name == "baseline":  # greedy answers: what n-gram's lookup would see, simulated offline
+            greedy = [(a["prompt_token_ids"] or [], a["completion_token_ids"]) for a in r["answers"]]
+            offline = ngram_acceptance(greedy, k, s["ngram"]["prompt_lookup_min"], s["ngram"]["prompt_lookup_max"])
 
     base = results["baseline"]["median"]
     print(f"\n{len(prompts)} held-out prompts, k={k}, one request at a time, {args.runs} runs per method "
           f"({os.cpu_count()} CPU cores)")
     for name, r in results.items():
-        al = r["acceptance_length"]
+        al, steps, share = r["acceptance_length"], r["tokens_per_step"], r["drafted_share"]
         print(f"{name:9s} tok/s {', '.join(f'{v:.1f}' for v in r['one_request_tokens_per_s'])}  median {r['median']:.1f}"
               f"  speed-up ×{r['median'] / base:.2f}  {r['ms_per_token']:.2f} ms/token"
               f"  ({s['concurrency']} in flight {r['concurrent_tokens_per_s']:.1f} tok/s)"
-              + (f"  acceptance length {al:.3f}" if al else "")
+              + f"  {steps:.3f} tokens per target step"
+              + (f" (acceptance length per drafted step {al:.3f}, drafted on {share:.0%} of steps)" if al else "")
               + f"  load {r['load_average'][0]:.2f}->{r['load_average'][1]:.2f}")
         r["speedup"] = r["median"] / base
+    print(f"n-gram simulated on the target alone's answers: {offline['tokens_per_step']:.3f} tokens per target step "
+          f"(acceptance length per drafted step {offline['acceptance_length']:.3f}, drafted on "
+          f"{offline['drafted_share']:.0%} of steps)")
+    results["ngram_offline"] = {key: offline[key] for key in ("tokens_per_step", "drafted_share", "acceptance_length",
+                                                              "drafts", "accepted", "decode_steps")}
     print("SUMMARY " + json.dumps({"prompts": len(prompts), "k": k, "runs": args.runs, **results}))
 
 
