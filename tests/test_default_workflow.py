@@ -89,7 +89,7 @@ def test_default_report_holds_the_matrix_and_its_csv(default_run):
         found = [w for w in report["warnings"] if w["kind"] == "not_lossless"]
         assert [w["temperature"] for w in found] == [1.0] and version in found[0]["message"]
     page = (wd / "reports/validation.html").read_text()
-    assert page.index("Acceptance by evaluation set and temperature") < page.index("Summary")
+    assert page.index("Tokens per target step by evaluation set and temperature") < page.index("Summary")
     shown = [c for (method, _, _), c in cells.items() if method in ("eagle3", "ngram")]  # in the table; its note says it once
     assert "offline (T=0)" in page and (page.count("engine not lossless") > 1) == any(c["lossless"] is False for c in shown)
     # The CSV holds the same numbers, one row per cell.
