@@ -1,6 +1,7 @@
 """vllm_format: the facts about vLLM's formats and interfaces, each checked against what vLLM itself
 parses or does (its /metrics text, its SpeculativeConfig, its config defaults). Fast: no server."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -106,11 +107,14 @@ DRAFT = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4
                     norm_before_residual=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
 
 
-def test_config_json_reads_back_as_written():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_config_json_reads_back_as_written(kind):
     """Export writes config.json and validation reads it back through the same module: nothing is lost."""
-    config = draft_config_json(DRAFT, [1, 2, 3], "bfloat16")
-    assert draft_config_from_json(config) == DRAFT
+    draft = dataclasses.replace(DRAFT, **KINDS[kind])
+    config = draft_config_json(draft, [1, 2, 3], "bfloat16")
+    assert draft_config_from_json(config) == draft and draft_config_from_json(config).kind == kind
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is True
+    assert config["fc_norm"] is config["norm_output"] is (kind == "eagle3.1")
 
 
 def test_absent_keys_read_as_vllm_defaults_them():
@@ -118,10 +122,11 @@ def test_absent_keys_read_as_vllm_defaults_them():
     from transformers import LlamaConfig
 
     config = draft_config_json(DRAFT, [1, 2, 3])
-    for key in ("norm_before_residual", "max_position_embeddings", "rope_parameters", "rope_theta"):
+    for key in ("norm_before_residual", "fc_norm", "norm_output", "max_position_embeddings", "rope_parameters", "rope_theta"):
         config.pop(key)
     read = draft_config_from_json(config)
     assert read.norm_before_residual is False  # llama_eagle3.py: getattr(config, "norm_before_residual", False)
+    assert read.fc_norm is False and read.norm_output is False  # getattr(self.config, "fc_norm", False), likewise
     llama = LlamaConfig()  # what transformers gives vLLM for the other absent keys
     assert read.max_position_embeddings == llama.max_position_embeddings == CONFIG_DEFAULTS["max_position_embeddings"]
     assert read.rope_parameters["rope_theta"] == llama.rope_parameters["rope_theta"] == CONFIG_DEFAULTS["rope_theta"]
