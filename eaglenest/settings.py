@@ -213,6 +213,7 @@ class DraftSettings(Stage):
 
     aux_layers: list[int] | None = setting("draft.aux_layers")
     vocab_size: int = setting("draft.vocab_size")
+    kind: str = setting("draft.kind")  # eagle3 or eagle3.1: the vLLM switches it sets are draft.config.KINDS
     norm_before_residual: bool = setting("draft.norm_before_residual")
     intermediate_size: int | None = setting("draft.intermediate_size")
     num_attention_heads: int | None = setting("draft.num_attention_heads")
@@ -225,8 +226,9 @@ class DraftSettings(Stage):
         return {"vocab_size": self.vocab_size, "use_truncated": self.use_truncated}
 
     def shape(self) -> dict:
-        """The keys DraftConfig.from_target overrides the target's sizes with (None: the target's)."""
-        return {k: getattr(self, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+        """The keys DraftConfig.from_target takes: the kind, and the sizes it overrides the target's with
+        (None: the target's)."""
+        return {k: getattr(self, k) for k in ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                               "head_dim", "norm_before_residual")}
 
 

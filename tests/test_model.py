@@ -1,10 +1,12 @@
 """The draft model: vLLM's tensor names and shapes, TTT causality, TTT == vLLM's step-by-step drafting, the loss mask."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.config import KINDS, DraftConfig
 from eaglenest.draft.losses import soft_cross_entropy, ttt_loss
 from eaglenest.draft.model import Eagle3Draft, Runtime
 from eaglenest.draft.vllm_format import tensor_shapes
@@ -73,37 +75,114 @@ def test_ttt_never_sees_the_future(norm_before_residual):
                 assert not torch.allclose(model.lm_head(model(ids3, aux, ttt_length=J)[j])[:, cut], ref[j][:, cut])
 
 
-def vllm_style_drafts(model, ids, aux, t, steps):
+def rms_norm(x, weight, eps):
+    """vLLM's RMSNorm (forward_native): normalised in float32, cast back, times the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def vllm_combine(model, aux):
+    """vLLM's combine_hidden_states: with fc_norm, each aux layer's H_t-wide chunk through its own
+    RMSNorm (fc_norm.{i}), concatenated again; then fc."""
+    cfg = model.config
+    if cfg.fc_norm:
+        chunks = aux.split(cfg.target_hidden_size, dim=-1)
+        assert len(chunks) == cfg.num_aux_layers
+        aux = torch.cat([rms_norm(c, model.fc_norm[i].weight, cfg.rms_norm_eps) for i, c in enumerate(chunks)], dim=-1)
+    return aux @ model.fc.weight.T
+
+
+def vllm_style_drafts(model, ids, aux, t, steps, own_tokens=False):
     """What vLLM computes when it drafts after target position t: one pass over the prefix with the
-    target's features (rope positions 0..t), then one token at a time, each attending to the prefix's
-    keys and its own chain, at rope position t+i, fed the previous step's pre-norm output."""
+    target's fused features (rope positions 0..t), then one token at a time, each attending to the
+    prefix's keys and its own chain, at rope position t+i, fed the previous step's aux_output: the
+    pre-norm sum, or with norm_output the normed output (llama_eagle3.py, LlamaModel.forward).
+    Returns the normed outputs at t; with ``own_tokens`` step i reads the draft's own greedy token of
+    step i-1 (vLLM's proposer) instead of the sequence's, and the drafted target ids come back too."""
+    cfg = model.config
+
     def embed(tok):
         return F.embedding(tok, model.embed_weight)
 
+    def fed(out):
+        return rms_norm(out, model.norm.weight, cfg.rms_norm_eps) if cfg.norm_output else out
+
+    def greedy(normed):
+        return model.draft_ids()[(normed @ model.lm_head.weight.T).argmax(-1)]
+
     pos = torch.arange(t + 1)[None]
-    hidden = model.fc(aux[:, : t + 1])
+    hidden = vllm_combine(model, aux[:, : t + 1])
     cos, sin = model.rotary_emb(hidden, pos)
     causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
     out, kv = model.midlayer(embed(ids[:, 1 : t + 2]), hidden, cos, sin, [], causal)
-    past, hidden, outs = [kv], out[:, t : t + 1], [model.norm(out[:, t])]
+    past, hidden, outs = [kv], fed(out[:, t : t + 1]), [rms_norm(out[:, t], model.norm.weight, cfg.rms_norm_eps)]
+    tokens = [greedy(outs[0])]
     for i in range(1, steps):
         cos, sin = model.rotary_emb(hidden, torch.tensor([[t + i]]))
         mask = torch.ones(1, t + 1 + i, dtype=torch.bool)
-        out, kv = model.midlayer(embed(ids[:, t + 1 + i : t + 2 + i]), hidden, cos, sin, past, mask)
+        tok = tokens[-1][:, None] if own_tokens else ids[:, t + 1 + i : t + 2 + i]
+        out, kv = model.midlayer(embed(tok), hidden, cos, sin, past, mask)
         past.append(kv)
-        hidden = out
-        outs.append(model.norm(out[:, 0]))
-    return outs
+        hidden = fed(out)
+        outs.append(rms_norm(out[:, 0], model.norm.weight, cfg.rms_norm_eps))
+        tokens.append(greedy(outs[-1]))
+    return (outs, torch.stack(tokens, dim=1)) if own_tokens else outs
 
 
-def test_ttt_equals_vllm_step_by_step_drafting():
-    model = make_model()
+EAGLE31 = KINDS["eagle3.1"]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_ttt_equals_vllm_step_by_step_drafting(kind):
+    model = make_model(**KINDS[kind])
+    assert model.config.kind == kind
     ids, aux = inputs(T=16)
     with torch.no_grad():
         ttt = model(ids, aux, ttt_length=J)
         for t in (0, 5, 11):
             for j, ref in enumerate(vllm_style_drafts(model, ids, aux, t, J)):
                 torch.testing.assert_close(ttt[j][:, t], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_propose_drafts_what_vllm_would(kind):
+    """The offline prediction's chains (``propose``) are vLLM's: its own greedy tokens fed back with
+    the kind's fed-forward state, from the kind's fused features."""
+    model = make_model(**KINDS[kind])
+    ids, aux = inputs(B=1, T=16)
+    proposals = model.propose(ids[0], aux[0], J)
+    with torch.no_grad():
+        for t in (0, 5, 14):
+            _, tokens = vllm_style_drafts(model, ids, aux, t, J, own_tokens=True)
+            assert proposals[t].tolist() == tokens[0].tolist(), t
+
+
+def test_eagle31_switches_change_what_they_should():
+    """On the same weights: fc_norm changes every step (the fused features), norm_output only the
+    steps after the first (what is fed back); an EAGLE-3 draft ignores fc_norm's weights (it has none)."""
+    ids, aux = inputs(T=16)
+    full = make_model(**EAGLE31)
+    assert sorted(n for n in full.state_dict() if n.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    assert not any(torch.equal(w.weight, torch.ones(H)) for w in full.fc_norm)  # make_model moved them off ones
+    fresh = Eagle3Draft(full.config)
+    assert all(torch.equal(w.weight, torch.ones(H)) for w in fresh.fc_norm)  # initialised to ones
+    state = {n: t for n, t in full.state_dict().items() if not n.startswith("fc_norm.")}
+    runs = {}
+    for fc_norm in (False, True):
+        for norm_output in (False, True):
+            model = Eagle3Draft(dataclasses.replace(full.config, fc_norm=fc_norm, norm_output=norm_output))
+            model.load_state_dict(full.state_dict() if fc_norm else state, strict=False)
+            model.embed_weight = full.embed_weight
+            with torch.no_grad():
+                runs[fc_norm, norm_output] = model.eval()(ids, aux, ttt_length=J)
+    eagle3, eagle31 = runs[False, False], runs[True, True]
+    for j in range(J):
+        torch.testing.assert_close(eagle31[j], full(ids, aux, ttt_length=J)[j].detach())
+        assert not torch.allclose(eagle31[j], eagle3[j], atol=1e-3), j
+        assert not torch.allclose(runs[True, False][j], eagle3[j], atol=1e-3), j  # fc_norm: from step 0 on
+    torch.testing.assert_close(runs[False, True][0], eagle3[0])  # norm_output: step 0 is the same ...
+    for j in range(1, J):
+        assert not torch.allclose(runs[False, True][j], eagle3[j], atol=1e-3), j  # ... the later ones are not
 
 
 def test_positions_outside_the_draft_vocab_carry_no_loss():
@@ -150,22 +229,31 @@ def test_chunked_loss_matches_one_chunk():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("attention,fused,recompute,split,diag,skip", [
+FAST_PATHS = [
     ("sdpa", True, False, False, False, False), ("sdpa", False, True, False, False, False), ("flex", True, True, False, False, False),
     ("flex", False, False, False, False, False), ("flex", True, False, True, False, False), ("flex", True, True, True, False, False),
     ("flex", True, False, False, True, False), ("flex", True, True, True, True, False), ("flex", False, False, True, True, False),
     ("flex", True, False, True, True, True), ("flex", True, True, True, True, True), ("flex", False, False, False, True, True),
+]
+
+
+# EAGLE-3.1 through one layout of each kind of step: recomputed, the key buffer with weight aliases,
+# and the chains (whose steps take step 0's fed-forward output).
+@pytest.mark.parametrize("attention,fused,recompute,split,diag,skip,kind", [(*v, "eagle3") for v in FAST_PATHS] + [
+    ("sdpa", False, True, False, False, False, "eagle3.1"), ("flex", True, False, True, False, False, "eagle3.1"),
+    ("flex", True, True, True, True, True, "eagle3.1"),
 ])
-def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, split, diag, skip):
+def test_fast_path_layouts_compute_the_reference(attention, fused, recompute, split, diag, skip, kind):
     """The GPU path's pieces (fixed-shape key buffer, fused loss, recomputation) give the reference
     path's loss, stats and gradients. On CPU the flex layout runs with dense masks over its buffer
     (flex attention has no CPU backward); the flex kernel itself is checked on the GPU
     (benchmarks/gpu_check.py). ``split``: each step's weight gradients apart, summed after backward;
     a second backward (a second micro-batch) adds to them. ``diag``: the later steps' keys attended
     on the diagonal, merged with step 0's causal part by log-sum-exp. ``skip``: the later steps run
-    only at the chains that score a token (row 0 has a 40-token prompt, row 1 is padding from 90 on)."""
+    only at the chains that score a token (row 0 has a 40-token prompt, row 1 is padding from 90 on).
+    ``kind``: the draft's (EAGLE-3.1 feeds the normed output forward and has fc_norm's gradients)."""
     torch.manual_seed(0)
-    model = make_model().train()
+    model = make_model(**KINDS[kind]).train()
     B, T = 2, 128  # the flex layout needs T a multiple of 128
     ids, aux = inputs(B=B, T=T)
     scored = (torch.rand(B, T) > 0.3) & torch.cat([torch.arange(T) >= 40, torch.arange(T) < 90]).view(B, T)

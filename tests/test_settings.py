@@ -166,6 +166,27 @@ def test_training_config_takes_the_drafts_shape_from_draft():
     assert not {"device", "gpus", "nproc", "draft", "hidden"} & set(config.config())
 
 
+def test_draft_kind_reaches_the_draft_and_retrains_it():
+    """draft.kind travels like the draft's other shape keys (DraftSettings -> the training config ->
+    DraftConfig) and is in train_draft's fingerprint; the schema refuses a kind vLLM does not serve."""
+    from eaglenest.draft.checkpoint import draft_config, resolve_config
+    from eaglenest.states.target import TargetFacts
+
+    eagle3, eagle31 = TrainSettings.defaults(), TrainSettings.from_config(_with({"draft.kind": "eagle3.1"}))
+    assert eagle3.draft.kind == "eagle3" and eagle31.config()["kind"] == "eagle3.1"
+    assert eagle3.fingerprint() != eagle31.fingerprint()
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2)
+    info = TargetFacts.of(target, [1, 2, 3], "t")
+    for settings, on in ((eagle3, False), (eagle31, True)):
+        dcfg = draft_config(info, 20, resolve_config(settings.config()))
+        assert (dcfg.fc_norm, dcfg.norm_output, dcfg.kind) == (on, on, settings.draft.kind)
+    with pytest.raises(Exception, match="eagle3.2|enum|not one of"):
+        _with({"draft.kind": "eagle3.2"})
+
+
 @pytest.mark.parametrize("fn, cls", [
     ("eaglenest.states.hidden:extract_hidden", HiddenSettings),
     ("eaglenest.states.extract:extract_hidden_vllm", HiddenSettings),

@@ -1,14 +1,19 @@
 """vllm_format: the facts about vLLM's formats and interfaces, each checked against what vLLM itself
 parses or does (its /metrics text, its SpeculativeConfig, its config defaults). Fast: no server."""
 
+import dataclasses
 import re
+from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.config import KINDS, DraftConfig
 from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, draft_config_from_json, draft_config_json, served_aux_layers
 from eaglenest.vllm_facts import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
                                  speculative_config)
+from tests.support.config import TOY_TARGET
 
 # What vLLM 0.32's /metrics serves with a speculative config (prometheus_client text format), two engines.
 METRICS_BEFORE = """\
@@ -102,11 +107,14 @@ DRAFT = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4
                     norm_before_residual=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
 
 
-def test_config_json_reads_back_as_written():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_config_json_reads_back_as_written(kind):
     """Export writes config.json and validation reads it back through the same module: nothing is lost."""
-    config = draft_config_json(DRAFT, [1, 2, 3], "bfloat16")
-    assert draft_config_from_json(config) == DRAFT
+    draft = dataclasses.replace(DRAFT, **KINDS[kind])
+    config = draft_config_json(draft, [1, 2, 3], "bfloat16")
+    assert draft_config_from_json(config) == draft and draft_config_from_json(config).kind == kind
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is True
+    assert config["fc_norm"] is config["norm_output"] is (kind == "eagle3.1")
 
 
 def test_absent_keys_read_as_vllm_defaults_them():
@@ -114,10 +122,11 @@ def test_absent_keys_read_as_vllm_defaults_them():
     from transformers import LlamaConfig
 
     config = draft_config_json(DRAFT, [1, 2, 3])
-    for key in ("norm_before_residual", "max_position_embeddings", "rope_parameters", "rope_theta"):
+    for key in ("norm_before_residual", "fc_norm", "norm_output", "max_position_embeddings", "rope_parameters", "rope_theta"):
         config.pop(key)
     read = draft_config_from_json(config)
     assert read.norm_before_residual is False  # llama_eagle3.py: getattr(config, "norm_before_residual", False)
+    assert read.fc_norm is False and read.norm_output is False  # getattr(self.config, "fc_norm", False), likewise
     llama = LlamaConfig()  # what transformers gives vLLM for the other absent keys
     assert read.max_position_embeddings == llama.max_position_embeddings == CONFIG_DEFAULTS["max_position_embeddings"]
     assert read.rope_parameters["rope_theta"] == llama.rope_parameters["rope_theta"] == CONFIG_DEFAULTS["rope_theta"]
@@ -135,3 +144,123 @@ def test_served_dtype_is_read_from_the_last_start(tmp_path):
                    "=== start 2\nInitializing engine (v0.32) with config: model='m', dtype=torch.bfloat16, seed=0\n")
     assert served_dtype(log) == "bfloat16"
     assert served_dtype(tmp_path / "absent.log") is None
+
+
+# ----------------------------------------------------------------------------- EAGLE-3.1 in vLLM's own model
+
+
+class _CachedCausalAttention(torch.nn.Module):
+    """Causal attention over a growing KV list, for one sequence: what vLLM's attention kernel computes
+    from its KV cache when it drafts the chain at the last position (the kernel itself needs the
+    engine's forward context and metadata, which this test does without)."""
+
+    def __init__(self, n_head, n_kv, head_dim):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = n_head, n_kv, head_dim
+        self.k = self.v = None
+
+    def forward(self, q, k, v):  # [S, heads·hd] each, as vLLM's Attention takes them
+        S = q.shape[0]
+        q, k, v = (x.view(S, n, self.head_dim).transpose(0, 1) for x, n in ((q, self.n_head), (k, self.n_kv), (v, self.n_kv)))
+        seen = 0 if self.k is None else self.k.shape[1]
+        self.k = k if self.k is None else torch.cat([self.k, k], 1)
+        self.v = v if self.v is None else torch.cat([self.v, v], 1)
+        mask = torch.arange(seen + S)[None] <= (seen + torch.arange(S))[:, None]
+        out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
+        return out.transpose(0, 1).reshape(S, -1)
+
+
+@pytest.fixture(scope="module")
+def vllm_process():
+    """vLLM's single-process distributed state (gloo), which its linear layers ask for; torn down after."""
+    from vllm.distributed import parallel_state
+
+    yield parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def _vllm_draft(draft_dir, parallel_state):
+    """The exported draft in vLLM's own ``Eagle3LlamaForCausalLM``, in this process (no server, no engine):
+    config.json parsed by vLLM as the toy target's eagle3 speculative config, the tensors through the
+    model's ``load_weights`` and vLLM's ``process_weights_after_loading``. Returns ``(model, vllm_config)``."""
+    import socket
+
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    args = EngineArgs(model=str(TOY_TARGET), dtype="float32", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
+                      speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 2})
+    vllm_config = args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+            parallel_state.initialize_model_parallel(1, 1)
+        model = Eagle3LlamaForCausalLM(vllm_config=vllm_config)
+        model.load_weights(load_file(str(Path(draft_dir) / "model.safetensors")).items())
+        process_weights_after_loading(model, vllm_config.speculative_config.draft_model_config, torch.device("cpu"))
+    attn = model.model.layers[0].self_attn
+    attn.attn = _CachedCausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    return model.eval(), vllm_config
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, tmp_path):
+    """An exported draft (norms and every weight away from their initial values) loaded into vLLM 0.32's
+    own EAGLE-3 model: vLLM reads the kind's switches from config.json, and its combine_hidden_states,
+    its forward over the prefix (step 0) and one more draft step at the last position, fed vLLM's own
+    aux_output, give our training-time test's outputs; so do its logits' greedy target ids. EAGLE-3.1
+    (fc_norm, norm_output) changes what vLLM computes in the way it changes ours."""
+    from transformers import AutoConfig
+    from vllm.config import set_current_vllm_config
+
+    from eaglenest.draft.export import write_draft
+    from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.draft.vocab import maps_from_ids
+    from eaglenest.states.target import TargetFacts
+    from eaglenest.validation.predict import load_exported_draft
+
+    target = AutoConfig.from_pretrained(TOY_TARGET)
+    info = TargetFacts.of(target, [1, 14, 25], str(TOY_TARGET))
+    cfg = DraftConfig.from_target(info, 48, kind=kind)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    for p in draft.parameters():  # every norm weight away from 1 (fc_norm's too), so each weight counts
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.05)
+    d2t, t2d = maps_from_ids(torch.arange(0, 96, 2), target.vocab_size)
+    draft.set_target(torch.randn(target.vocab_size, target.hidden_size), d2t, t2d)
+    write_draft(tmp_path, cfg, info, draft.state_dict(), None, None, "float32")
+    ours, _ = load_exported_draft(tmp_path, draft.embed_weight)
+    vllm, vllm_config = _vllm_draft(tmp_path, vllm_process)
+    parsed = vllm_config.speculative_config.draft_model_config.hf_config
+    assert (parsed.fc_norm, parsed.norm_output) == (cfg.fc_norm, cfg.norm_output) == ((kind == "eagle3.1"),) * 2
+    assert (vllm.model.fc_norm is not None) == cfg.fc_norm
+
+    T = 10
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, target.vocab_size, (T + 2,), generator=g)
+    aux = torch.randn(T + 2, 3 * target.hidden_size, generator=g)
+
+    def embed(ids):
+        return F.embedding(ids, draft.embed_weight)
+
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        ttt = ours(seq[None], aux[None], ttt_length=2)  # step 1 at base T-1 reads token T+1
+        fused = vllm.combine_hidden_states(aux[:T])
+        torch.testing.assert_close(fused, ours.combine(aux[:T]), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(fused, aux[:T] @ draft.fc.weight.T, atol=1e-3) != cfg.fc_norm  # fc_norm's norms act
+        normed0, fed0 = vllm.model(seq[1 : T + 1], torch.arange(T), fused, embed(seq[1 : T + 1]))
+        torch.testing.assert_close(normed0, ttt[0][0, :T], rtol=1e-5, atol=1e-5)
+        assert torch.equal(fed0, normed0) == cfg.norm_output  # aux_output: the normed output with norm_output
+        normed1, _ = vllm.model(seq[T + 1 :], torch.tensor([T]), fed0[-1:], embed(seq[T + 1 :]))
+        torch.testing.assert_close(normed1[0], ttt[1][0, T - 1], rtol=1e-5, atol=1e-5)
+        greedy = vllm.compute_logits(normed1).argmax(-1)
+    assert greedy.tolist() == ours.draft_ids()[ours.lm_head(ttt[1][0, T - 1]).argmax(-1)].view(1).tolist()

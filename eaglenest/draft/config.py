@@ -2,12 +2,23 @@
 validation reads back. It sits low, so export and the report read a checkpoint without the trainer.
 
 ``target_vocab_size`` is stored under ``vocab_size`` (``STORED_AS``), the key vLLM's config.json gives
-the target's vocabulary, in checkpoints too."""
+the target's vocabulary, in checkpoints too.
+
+The draft's kind (setting ``draft.kind``) is not a field of its own: ``KINDS`` says which of vLLM's
+config.json switches each kind turns on, and the config holds those switches (``fc_norm``,
+``norm_output``), so a config read back from any config.json is the one vLLM runs."""
 
 from dataclasses import asdict, dataclass, field
 
 # Fields whose stored key (checkpoint, vLLM's config.json) is not their Python name.
 STORED_AS = {"target_vocab_size": "vocab_size"}
+
+# Draft kind -> the switches of vLLM 0.32's llama_eagle3.py it sets (DraftConfig fields of those names).
+# EAGLE-3.1 is EAGLE-3 with a per-aux-layer RMSNorm before fc and the post-norm state fed forward.
+KINDS = {
+    "eagle3": {"fc_norm": False, "norm_output": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
 
 
 @dataclass
@@ -25,6 +36,12 @@ class DraftConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
+    # vLLM's ``fc_norm``: each aux layer's H_t-wide chunk of fc's input has its own RMSNorm
+    # (``fc_norm.{i}.weight``) before fc (EAGLE-3.1).
+    fc_norm: bool = False
+    # vLLM's ``norm_output``: the next draft step is fed the output after ``norm`` (the state the
+    # logits come from) instead of the pre-norm sum (EAGLE-3.1).
+    norm_output: bool = False
     initializer_range: float = 0.02
 
     def __post_init__(self):
@@ -36,9 +53,17 @@ class DraftConfig:
                 "the draft shares the target's token embedding"
             )
 
+    @property
+    def kind(self) -> str | None:
+        """The ``KINDS`` name of this config's switches (None: a combination no kind names)."""
+        return next((k for k, flags in KINDS.items() if all(getattr(self, f) == v for f, v in flags.items())), None)
+
     @classmethod
-    def from_target(cls, info, draft_vocab_size: int, **overrides):
-        """Sizes default to the target's (``info``: its ``target.TargetFacts``); ``overrides`` win when not None."""
+    def from_target(cls, info, draft_vocab_size: int, kind: str | None = None, **overrides):
+        """Sizes default to the target's (``info``: its ``target.TargetFacts``); ``overrides`` win when not
+        None; ``kind`` (a ``KINDS`` name; None: eagle3) sets the switches of that kind."""
+        if (kind or "eagle3") not in KINDS:
+            raise ValueError(f"unknown draft kind {kind!r}; known: {sorted(KINDS)}")
         cfg = {
             "hidden_size": info.hidden_size,
             "intermediate_size": info.intermediate_size,
@@ -52,6 +77,7 @@ class DraftConfig:
             "rms_norm_eps": info.rms_norm_eps,
             "rope_parameters": dict(info.rope_parameters),
             "max_position_embeddings": info.max_position_embeddings,
+            **KINDS[kind or "eagle3"],
         }
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**cfg)

@@ -1,20 +1,27 @@
-"""The EAGLE-3 draft model, in one file, with its training-time-test (TTT) forward and loss.
+"""The EAGLE-3 (and EAGLE-3.1) draft model, in one file, with its training-time-test (TTT) forward and loss.
 
 Module and parameter names are vLLM's tensor names (``midlayer.self_attn.q_proj.weight``,
-``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so ``state_dict()`` is the
-exported checkpoint as is. The layer follows vLLM 0.32's ``llama_eagle3.py``:
+``fc.weight``, ``fc_norm.{i}.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so
+``state_dict()`` is the exported checkpoint as is. The layer follows vLLM 0.32's ``llama_eagle3.py``:
 
     h     = fc(aux_0 ‖ aux_1 ‖ aux_2)                  fused target features [.., H]  (step 0)
+    h     = fc(fc_norm.0(aux_0) ‖ fc_norm.1(aux_1) ‖ fc_norm.2(aux_2))     instead, if fc_norm
     e     = input_layernorm(embed(token))              the target's frozen embedding
     r     = h;  h = hidden_norm(h)                     (norm first, r = normed h, if norm_before_residual)
     r     = self_attn(e ‖ h) + r                       q/k/v take 2·H inputs, embedding first
-    out   = mlp(post_attention_layernorm(r)) + r       pre-norm sum: the hidden of the next draft step
+    out   = mlp(post_attention_layernorm(r)) + r       the pre-norm sum
     logits = lm_head(norm(out))                        over the draft vocabulary
+    next  = norm(out) if norm_output else out          the hidden of the next draft step
+
+The first ``h`` is vLLM's ``combine_hidden_states`` (each fc_norm.i an RMSNorm over one aux
+layer's H_t-wide chunk, ``Eagle3Draft.combine``); ``next`` is the ``aux_output`` vLLM's
+``LlamaModel.forward`` returns and its proposer feeds back. EAGLE-3.1 (``config.KINDS``) is
+fc_norm and norm_output both on.
 
 Alignment (vLLM's proposer: ``v1/spec_decode/llm_base_proposer.py`` to 0.33,
 ``v1/worker/gpu/spec_decode/eagle/`` in 0.34): at target position t the draft gets the target's features at t and the token at t+1, runs at rope position t, and predicts token t+2, i.e.
 what the target predicts at t+1. Draft step j (j = 0 .. ttt_length-1) at base position t gets the
-token at t+1+j, the previous step's pre-norm output at t (the target features when j = 0) and rope
+token at t+1+j, the previous step's ``next`` at t (the fused target features when j = 0) and rope
 position t+j (vLLM advances the position one per draft step); it attends to step 0's keys at
 positions <= t and to its own chain's keys at t from steps 1..j, exactly the keys vLLM's KV cache
 holds when it drafts that token, and to nothing later.
@@ -91,6 +98,8 @@ class Eagle3Draft(nn.Module):
 
         self.config = cfg
         self.runtime = runtime  # how the TTT runs (``Runtime``): read at each forward
+        if cfg.fc_norm:  # ones, like every RMSNorm here: at initialisation a plain RMS normalisation
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers))
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -135,6 +144,18 @@ class Eagle3Draft(nn.Module):
         """Target id of every draft id."""
         return draft_to_target_ids(self.d2t)
 
+    def combine(self, aux_hidden):
+        """The fused target features [.., H] of ``aux_hidden`` [.., n_aux·Ht] (vLLM's
+        ``combine_hidden_states``): with ``fc_norm``, each aux layer's chunk through its own RMSNorm first."""
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
+        return project(aux_hidden, self.fc)[0]
+
+    def fed_forward(self, out, normed):
+        """The hidden the next draft step gets from a step's pre-norm ``out`` and its ``normed`` output."""
+        return normed if self.config.norm_output else out
+
     def forward(self, input_ids, aux_hidden, targets=None, ttt_length=7, decay=0.8, chunk=4096, embeds=None):
         """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
 
@@ -165,12 +186,12 @@ class Eagle3Draft(nn.Module):
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
         B, T = input_ids.shape
-        hidden = project(aux_hidden, self.fc)[0]
+        hidden = self.combine(aux_hidden)
         base = torch.arange(T, device=input_ids.device)
         past, outs = [], []
         for j in range(ttt_length):
-            hidden = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
-            outs.append(self.norm(hidden))
+            hidden, normed = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
+            outs.append(normed)
         return outs
 
     def _ttt_flex(self, input_ids, aux_hidden, ttt_length, embeds_all, chains=None):
@@ -185,7 +206,7 @@ class Eagle3Draft(nn.Module):
         steps after step 0 run at those flat positions only (``_ttt_chains``)."""
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
-        hidden = project(aux_hidden, self.fc)[0]
+        hidden = self.combine(aux_hidden)
         device = input_ids.device
         valid = [None] * ttt_length
         if self.runtime.diag_split:  # step 0's causal keys through flex, the later steps' on the diagonal
@@ -219,8 +240,8 @@ class Eagle3Draft(nn.Module):
         return outs
 
     def _ttt_chains(self, hidden, embeds_all, k0, v0, mask, chains, ttt_length, shared):
-        """Steps 1..J-1 at the flat positions ``chains`` [N] only, from step 0's pre-norm output
-        ``hidden`` [B, T, H] and keys ``k0``, ``v0``; the chains' own keys live in [N, J-1, nKV, hd]
+        """Steps 1..J-1 at the flat positions ``chains`` [N] only, from step 0's fed-forward output
+        ``hidden`` [B, T, H] (``fed_forward``) and keys ``k0``, ``v0``; the chains' own keys live in [N, J-1, nKV, hd]
         buffers. Compiled, N is a dynamic dimension: one graph serves every batch of the same [B, T].
         -> the normed outputs of steps 1..J-1, each [B, T, H] (zero off the chains)."""
         B, T, H = hidden.shape
@@ -245,7 +266,7 @@ class Eagle3Draft(nn.Module):
 
     def _chains_step(self, flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains, block_mask, weights=None,
                      valid=None):
-        """One later TTT step at the chains only (``_ttt_chains``) -> (pre-norm output [N, H], normed
+        """One later TTT step at the chains only (``_ttt_chains``) -> (fed-forward output [N, H], normed
         output scattered to [B, T, H], kd, vd)."""
 
         def body(flat_embeds, e_index, hidden, cos, sin, k0, v0, kd, vd, slot, chains):
@@ -267,15 +288,18 @@ class Eagle3Draft(nn.Module):
         return self._chains_compiled
 
     def _layer_and_norm(self, weights, args, kwargs):
-        """The decoder layer and the final norm -> (pre-norm output, normed output, the layer's kv);
-        ``weights``: tensors to use in place of the parameters of the same names (``split_step_grads``)."""
+        """The decoder layer and the final norm -> (the output the next step gets (``fed_forward``), normed
+        output, the layer's kv); ``weights``: tensors to use in place of the parameters of the same names
+        (``split_step_grads``)."""
         if weights is None:
             out, kv = self.midlayer(*args, **kwargs)
-            return out, self.norm(out), kv
+            normed = self.norm(out)
+            return self.fed_forward(out, normed), normed, kv
         mid = {n.removeprefix("midlayer."): w for n, w in weights.items() if n.startswith("midlayer.")}
         out, kv = torch.func.functional_call(self.midlayer, mid, args, kwargs)
         norm = {n.removeprefix("norm."): w for n, w in weights.items() if n.startswith("norm.")}
-        return out, torch.func.functional_call(self.norm, norm, (out,)), kv
+        normed = torch.func.functional_call(self.norm, norm, (out,))
+        return self.fed_forward(out, normed), normed, kv
 
     def step_params(self):
         """The trained parameters every TTT step uses (the decoder layer's and the final norm's), by
@@ -283,7 +307,7 @@ class Eagle3Draft(nn.Module):
         return {n: p for n, p in self.named_parameters() if n.split(".")[0] in ("midlayer", "norm") and p.requires_grad}
 
     def _flex_step(self, embeds, hidden, cos, sin, k_buf, v_buf, slot, block_mask, weights=None, valid=None):
-        """One fixed-shape TTT step -> (pre-norm output, normed output, k_buf, v_buf). With
+        """One fixed-shape TTT step -> (fed-forward output, normed output, k_buf, v_buf). With
         ``recompute`` its activations are recomputed in backward (inside the compiled graph, the
         checkpoint becomes a region the partitioner recomputes). ``weights``: tensors to use in place
         of the parameters of the same names (``split_step_grads``)."""
@@ -308,10 +332,10 @@ class Eagle3Draft(nn.Module):
 
     def step(self, embeds, hidden, base, j, past):
         """Draft step ``j`` over [B, T] base positions ``base``: ``embeds`` [B, T, H] the target's
-        embeddings of the tokens it reads, ``hidden`` [B, T, H] the previous step's pre-norm output
-        (the fused target features at j = 0). Appends this step's (k, v) to ``past``; returns the
-        pre-norm output [B, T, H]. Under ``recompute`` (training) its activations are recomputed in
-        backward instead of kept."""
+        embeddings of the tokens it reads, ``hidden`` [B, T, H] the previous step's fed-forward output
+        (the fused target features at j = 0). Appends this step's (k, v) to ``past``; returns this
+        step's fed-forward output (``fed_forward``) and its normed output, each [B, T, H]. Under
+        ``recompute`` (training) the layer's activations are recomputed in backward instead of kept."""
         cos, sin = self.rotary_emb(hidden, (base + j).unsqueeze(0))
         layer = functools.partial(self.midlayer, past_kv=tuple(past), mask=self.step_mask(len(base), j, base.device))
         if self.runtime.recompute and torch.is_grad_enabled():
@@ -319,7 +343,8 @@ class Eagle3Draft(nn.Module):
         else:
             hidden, kv = layer(embeds, hidden, cos, sin)
         past.append(kv)
-        return hidden
+        normed = self.norm(hidden)
+        return self.fed_forward(hidden, normed), normed
 
     @torch.no_grad()
     def propose(self, input_ids, aux_hidden, k):
@@ -328,7 +353,7 @@ class Eagle3Draft(nn.Module):
         ``input_ids`` [T] int64, ``aux_hidden`` [T, 3·Ht] the target's states at the draft's layer ids.
         Row t is the chain drafted after the target has verified tokens 0..t and sampled token t+1:
         step 0 takes the target's fused features at t and token t+1 at position t; step j takes this
-        chain's own token of step j-1 and the pre-norm output at position t+j, attending to step 0's
+        chain's own token of step j-1 and step j-1's fed-forward output at position t+j, attending to step 0's
         keys at positions <= t (vLLM's KV cache, always rebuilt from target features at accepted
         positions) plus its own chain's keys (llm_base_proposer.propose): the training-time test with
         the draft's own tokens in place of the sequence's. The last row, which has no token t+1 to
@@ -337,13 +362,13 @@ class Eagle3Draft(nn.Module):
         T = input_ids.shape[0]
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         ids = torch.cat([input_ids[1:], input_ids.new_zeros(1)]).to(dev).unsqueeze(0)  # token t+1 at row t
-        hidden = self.fc(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
+        hidden = self.combine(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
         base = torch.arange(T, device=dev)
         draft_to_target = self.draft_ids()
         past, proposals = [], []
         for j in range(k):
-            hidden = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
-            ids = draft_to_target[(self.norm(hidden) @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
+            hidden, normed = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
+            ids = draft_to_target[(normed @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
             proposals.append(ids[0])
         out = torch.stack(proposals, dim=1).cpu()
         out[T - 1 :] = -1  # no token t+1 to start from

@@ -19,6 +19,10 @@ What ``config.json`` carries and why:
   ``t2d`` is skipped by the loader; it is written for other tools.
 - ``target_hidden_size`` (only when it differs from ``hidden_size``) sizes ``fc``'s input.
 - ``norm_before_residual`` is written out: loaders disagree on its default (vLLM: absent = false).
+- ``fc_norm`` and ``norm_output`` (``llama_eagle3.py``, ``LlamaModel``; absent = false) are written
+  out, true for an EAGLE-3.1 draft: ``fc_norm`` builds one RMSNorm per aux layer (tensors
+  ``fc_norm.{i}.weight`` [H_t]) applied to that layer's chunk of fc's input; ``norm_output`` feeds
+  the next draft step the output after ``norm`` instead of the pre-norm sum.
 - no ``embed_tokens.weight``: vLLM then shares the target's embedding with the draft.
 
 The speculators format (vllm-project/speculators; NVIDIA ModelOpt's converter emits it too) holds the
@@ -34,8 +38,9 @@ same weights. vLLM 0.32 reads it in ``transformers_utils/configs/speculators/`` 
 - no top-level ``model_type``: vLLM then takes the config as ``speculators``, starts the draft's
   config from ``transformer_layer_config`` (a one-layer Llama config, ``vocab_size`` the target's)
   and adds ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` and
-  ``norm_before_residual`` from the top level, where ``norm_before_residual`` defaults to **True**
-  (``algos.py``, ``update_eagle3``): written out, with ``norm_before_fc``, ``fc_norm`` and ``norm_output``;
+  ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output`` from the top level,
+  where ``norm_before_residual`` defaults to **True** (``algos.py``, ``update_eagle3``): each written
+  out (so an EAGLE-3.1 draft is served as such in this format too);
 - tensors: the decoder layer is ``layers.0.*`` (speculators' own name; vLLM's loader takes both that
   and ``midlayer.*``), everything else as above.
 """
@@ -71,6 +76,8 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # What vLLM assumes for a config.json key that is absent (llama_eagle3.py, LlamaConfig defaults).
 CONFIG_DEFAULTS = {
     "norm_before_residual": False,
+    "fc_norm": False,
+    "norm_output": False,
     "max_position_embeddings": 2048,
     "rope_theta": 10000.0,
 }
@@ -81,7 +88,9 @@ def tensor_shapes(cfg) -> dict:
     ``cfg`` a ``model.DraftConfig``. Module names in model.py are these names."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux_layers)} if cfg.fc_norm else {}
     return {
+        **fc_norm,
         "fc.weight": (H, cfg.num_aux_layers * cfg.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,),
         "midlayer.hidden_norm.weight": (H,),
@@ -120,6 +129,8 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
@@ -157,6 +168,8 @@ def draft_config_from_json(config: dict):
         rope_parameters=rope,
         max_position_embeddings=config_value(config, "max_position_embeddings"),
         norm_before_residual=bool(config_value(config, "norm_before_residual")),
+        fc_norm=bool(config_value(config, "fc_norm")),
+        norm_output=bool(config_value(config, "norm_output")),
     )
 
 
@@ -216,7 +229,7 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
     whose default differs between the formats written out."""
     layer = {key: v for key, v in draft_config_json(cfg, aux_layer_ids, dtype).items()
              if key not in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                            "norm_before_residual", "target_hidden_size")}
+                            "norm_before_residual", "fc_norm", "norm_output", "target_hidden_size")}
     verifier_cfg = {"name_or_path": str(verifier)}
     if verifier_architectures:
         verifier_cfg["architectures"] = list(verifier_architectures)
@@ -235,8 +248,8 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "dtype": dtype,
         "torch_dtype": dtype,
     }

@@ -36,8 +36,9 @@ def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device=
     model.to(device)
     # Weights in the serving dtype; the rope frequencies stay float32 (vLLM builds its cos/sin cache
     # in float32 too): a bf16 inv_freq turns far positions by a visible angle.
-    for module in (model.fc, model.midlayer, model.norm, model.lm_head):
-        module.to(dtype)
+    for name, module in model.named_children():
+        if name != "rotary_emb":
+            module.to(dtype)
     model.embed_weight = embed_weight.detach().to(device, dtype).clone()
     return model.eval(), config
 

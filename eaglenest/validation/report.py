@@ -234,9 +234,10 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
     if ids != list(info.aux_layers):
         diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info.aux_layers}")
-    if bool(config_value(config, "norm_before_residual")) != bool(dcfg.norm_before_residual):
-        shown = raw.get("norm_before_residual", f"(absent: {config_value(config, 'norm_before_residual')})")
-        diffs.append(f"norm_before_residual: config.json {shown}, trained with {dcfg.norm_before_residual}")
+    for key in ("norm_before_residual", "fc_norm", "norm_output"):  # switches vLLM reads, not sizes
+        if bool(config_value(config, key)) != bool(getattr(dcfg, key)):
+            shown = raw.get(key, f"(absent: {config_value(config, key)})")
+            diffs.append(f"{key}: config.json {shown}, trained with {getattr(dcfg, key)}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "rms_norm_eps"):
         if config.get(key) != dcfg.to_dict()[key]:
