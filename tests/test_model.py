@@ -82,9 +82,11 @@ def rms_norm(x, weight, eps):
 
 
 def vllm_combine(model, aux):
-    """vLLM's combine_hidden_states: with fc_norm, each aux layer's H_t-wide chunk through its own
+    """vLLM's combine_hidden_states: with norm_before_fc, the whole input through input_norm; with fc_norm, each aux layer's H_t-wide chunk through its own
     RMSNorm (fc_norm.{i}), concatenated again; then fc."""
     cfg = model.config
+    if cfg.norm_before_fc:
+        aux = rms_norm(aux, model.input_norm.weight, cfg.rms_norm_eps)
     if cfg.fc_norm:
         chunks = aux.split(cfg.target_hidden_size, dim=-1)
         assert len(chunks) == cfg.num_aux_layers
@@ -130,12 +132,14 @@ def vllm_style_drafts(model, ids, aux, t, steps, own_tokens=False):
 
 
 EAGLE31 = KINDS["eagle3.1"]
+# speculators' trainer's EAGLE-3 default: one input_norm over fc's whole input, the normed output fed forward
+VARIANTS = {**KINDS, "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(VARIANTS))
 def test_ttt_equals_vllm_step_by_step_drafting(kind):
-    model = make_model(**KINDS[kind])
-    assert model.config.kind == kind
+    model = make_model(**VARIANTS[kind])
+    assert model.config.kind == (kind if kind in KINDS else None)
     ids, aux = inputs(T=16)
     with torch.no_grad():
         ttt = model(ids, aux, ttt_length=J)
@@ -144,11 +148,11 @@ def test_ttt_equals_vllm_step_by_step_drafting(kind):
                 torch.testing.assert_close(ttt[j][:, t], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(VARIANTS))
 def test_propose_drafts_what_vllm_would(kind):
     """The offline prediction's chains (``propose``) are vLLM's: its own greedy tokens fed back with
     the kind's fed-forward state, from the kind's fused features."""
-    model = make_model(**KINDS[kind])
+    model = make_model(**VARIANTS[kind])
     ids, aux = inputs(B=1, T=16)
     proposals = model.propose(ids[0], aux[0], J)
     with torch.no_grad():

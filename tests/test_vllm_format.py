@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.draft.config import KINDS, DraftConfig
-from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, draft_config_from_json, draft_config_json, served_aux_layers
+from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, SWITCHES, draft_config_from_json, draft_config_json, served_aux_layers
 from eaglenest.vllm_facts import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
                                  speculative_config)
 from tests.support.config import TOY_TARGET
@@ -212,7 +212,11 @@ def _vllm_draft(draft_dir, parallel_state):
     return model.eval(), vllm_config
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+# speculators' trainer's EAGLE-3 default (one input_norm over fc's whole input, the normed output fed forward)
+VARIANTS = {**KINDS, "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+
+
+@pytest.mark.parametrize("kind", sorted(VARIANTS))
 def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, tmp_path):
     """An exported draft (norms and every weight away from their initial values) loaded into vLLM 0.32's
     own EAGLE-3 model: vLLM reads the kind's switches from config.json, and its combine_hidden_states,
@@ -230,7 +234,7 @@ def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, t
 
     target = AutoConfig.from_pretrained(TOY_TARGET)
     info = TargetFacts.of(target, [1, 14, 25], str(TOY_TARGET))
-    cfg = DraftConfig.from_target(info, 48, kind=kind)
+    cfg = DraftConfig.from_target(info, 48, **VARIANTS[kind])
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     for p in draft.parameters():  # every norm weight away from 1 (fc_norm's too), so each weight counts
@@ -241,8 +245,10 @@ def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, t
     ours, _ = load_exported_draft(tmp_path, draft.embed_weight)
     vllm, vllm_config = _vllm_draft(tmp_path, vllm_process)
     parsed = vllm_config.speculative_config.draft_model_config.hf_config
-    assert (parsed.fc_norm, parsed.norm_output) == (cfg.fc_norm, cfg.norm_output) == ((kind == "eagle3.1"),) * 2
+    assert {k: bool(getattr(parsed, k)) for k in SWITCHES} == {k: getattr(cfg, k) for k in SWITCHES}
+    assert (parsed.fc_norm, parsed.norm_output) == ((kind == "eagle3.1"), kind != "eagle3")
     assert (vllm.model.fc_norm is not None) == cfg.fc_norm
+    assert (vllm.model.input_norm is not None) == cfg.norm_before_fc
 
     T = 10
     g = torch.Generator().manual_seed(1)
@@ -256,7 +262,7 @@ def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, t
         ttt = ours(seq[None], aux[None], ttt_length=2)  # step 1 at base T-1 reads token T+1
         fused = vllm.combine_hidden_states(aux[:T])
         torch.testing.assert_close(fused, ours.combine(aux[:T]), rtol=1e-5, atol=1e-5)
-        assert torch.allclose(fused, aux[:T] @ draft.fc.weight.T, atol=1e-3) != cfg.fc_norm  # fc_norm's norms act
+        assert torch.allclose(fused, aux[:T] @ draft.fc.weight.T, atol=1e-3) != (cfg.fc_norm or cfg.norm_before_fc)  # the norms act
         normed0, fed0 = vllm.model(seq[1 : T + 1], torch.arange(T), fused, embed(seq[1 : T + 1]))
         torch.testing.assert_close(normed0, ttt[0][0, :T], rtol=1e-5, atol=1e-5)
         assert torch.equal(fed0, normed0) == cfg.norm_output  # aux_output: the normed output with norm_output

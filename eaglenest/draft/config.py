@@ -36,6 +36,9 @@ class DraftConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False
+    # vLLM's ``norm_before_fc``: one RMSNorm over fc's whole n_aux·H_t input (``input_norm.weight``)
+    # before fc_norm and fc; speculators' trainer turns it on for its EAGLE-3 drafts.
+    norm_before_fc: bool = False
     # vLLM's ``fc_norm``: each aux layer's H_t-wide chunk of fc's input has its own RMSNorm
     # (``fc_norm.{i}.weight``) before fc (EAGLE-3.1).
     fc_norm: bool = False

@@ -6,6 +6,7 @@ Module and parameter names are vLLM's tensor names (``midlayer.self_attn.q_proj.
 
     h     = fc(aux_0 ‖ aux_1 ‖ aux_2)                  fused target features [.., H]  (step 0)
     h     = fc(fc_norm.0(aux_0) ‖ fc_norm.1(aux_1) ‖ fc_norm.2(aux_2))     instead, if fc_norm
+            (with norm_before_fc, aux_0 ‖ aux_1 ‖ aux_2 first goes through one input_norm over all 3·Ht)
     e     = input_layernorm(embed(token))              the target's frozen embedding
     r     = h;  h = hidden_norm(h)                     (norm first, r = normed h, if norm_before_residual)
     r     = self_attn(e ‖ h) + r                       q/k/v take 2·H inputs, embedding first
@@ -98,6 +99,8 @@ class Eagle3Draft(nn.Module):
 
         self.config = cfg
         self.runtime = runtime  # how the TTT runs (``Runtime``): read at each forward
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.num_aux_layers * cfg.target_hidden_size, cfg.rms_norm_eps)
         if cfg.fc_norm:  # ones, like every RMSNorm here: at initialisation a plain RMS normalisation
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers))
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -146,7 +149,10 @@ class Eagle3Draft(nn.Module):
 
     def combine(self, aux_hidden):
         """The fused target features [.., H] of ``aux_hidden`` [.., n_aux·Ht] (vLLM's
-        ``combine_hidden_states``): with ``fc_norm``, each aux layer's chunk through its own RMSNorm first."""
+        ``combine_hidden_states``): with ``norm_before_fc``, the whole input through ``input_norm`` first; with
+        ``fc_norm``, then each aux layer's chunk through its own RMSNorm."""
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
         if self.config.fc_norm:
             chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)
             aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)

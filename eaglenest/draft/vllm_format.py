@@ -23,6 +23,8 @@ What ``config.json`` carries and why:
   out, true for an EAGLE-3.1 draft: ``fc_norm`` builds one RMSNorm per aux layer (tensors
   ``fc_norm.{i}.weight`` [H_t]) applied to that layer's chunk of fc's input; ``norm_output`` feeds
   the next draft step the output after ``norm`` instead of the pre-norm sum.
+- ``norm_before_fc`` (absent = false) is written out too: one RMSNorm (``input_norm.weight``
+  [n_aux·H_t]) over fc's whole input, before fc_norm; speculators' trainer turns it on for EAGLE-3.
 - no ``embed_tokens.weight``: vLLM then shares the target's embedding with the draft.
 
 The speculators format (vllm-project/speculators; NVIDIA ModelOpt's converter emits it too) holds the
@@ -73,9 +75,14 @@ def d2t_from_target_ids(target_ids: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the draft checkpoint
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The draft's switches vLLM 0.32's llama_eagle3.py reads from config.json (DraftConfig fields of these names):
+# written out in both formats, since their defaults differ between loaders.
+SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
 # What vLLM assumes for a config.json key that is absent (llama_eagle3.py, LlamaConfig defaults).
 CONFIG_DEFAULTS = {
     "norm_before_residual": False,
+    "norm_before_fc": False,
     "fc_norm": False,
     "norm_output": False,
     "max_position_embeddings": 2048,
@@ -89,7 +96,9 @@ def tensor_shapes(cfg) -> dict:
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux_layers)} if cfg.fc_norm else {}
+    input_norm = {"input_norm.weight": (cfg.num_aux_layers * cfg.target_hidden_size,)} if cfg.norm_before_fc else {}
     return {
+        **input_norm,
         **fc_norm,
         "fc.weight": (H, cfg.num_aux_layers * cfg.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,),
@@ -128,9 +137,7 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
         "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-        "norm_before_residual": cfg.norm_before_residual,
-        "fc_norm": cfg.fc_norm,
-        "norm_output": cfg.norm_output,
+        **{key: getattr(cfg, key) for key in SWITCHES},
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
@@ -167,9 +174,7 @@ def draft_config_from_json(config: dict):
         rms_norm_eps=config["rms_norm_eps"],
         rope_parameters=rope,
         max_position_embeddings=config_value(config, "max_position_embeddings"),
-        norm_before_residual=bool(config_value(config, "norm_before_residual")),
-        fc_norm=bool(config_value(config, "fc_norm")),
-        norm_output=bool(config_value(config, "norm_output")),
+        **{key: bool(config_value(config, key)) for key in SWITCHES},
     )
 
 
@@ -229,7 +234,7 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
     whose default differs between the formats written out."""
     layer = {key: v for key, v in draft_config_json(cfg, aux_layer_ids, dtype).items()
              if key not in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                            "norm_before_residual", "fc_norm", "norm_output", "target_hidden_size")}
+                            "target_hidden_size", *SWITCHES)}
     verifier_cfg = {"name_or_path": str(verifier)}
     if verifier_architectures:
         verifier_cfg["architectures"] = list(verifier_architectures)
@@ -246,10 +251,7 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-        "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": cfg.fc_norm,
-        "norm_output": cfg.norm_output,
+        **{key: getattr(cfg, key) for key in SWITCHES},
         "dtype": dtype,
         "torch_dtype": dtype,
     }

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import defaults
-from ..draft.vllm_format import config_value, flat_config, state_dict_from_vllm
+from ..draft.vllm_format import SWITCHES, config_value, flat_config, state_dict_from_vllm
 from .matrix import PER_DRAFTED_STEP, drafted_said, matrix_findings, matrix_html, per_drafted_step, write_csv
 from .plots import bar_chart, esc, line_chart
 
@@ -234,7 +234,7 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
     ids = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
     if ids != list(info.aux_layers):
         diffs.append(f"aux layer ids: config.json {ids or '(absent: vLLM default)'}, trained on {info.aux_layers}")
-    for key in ("norm_before_residual", "fc_norm", "norm_output"):  # switches vLLM reads, not sizes
+    for key in SWITCHES:  # switches vLLM reads, not sizes
         if bool(config_value(config, key)) != bool(getattr(dcfg, key)):
             shown = raw.get(key, f"(absent: {config_value(config, key)})")
             diffs.append(f"{key}: config.json {shown}, trained with {getattr(dcfg, key)}")
