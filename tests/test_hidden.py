@@ -141,6 +141,20 @@ def test_target_head_saved_once_from_the_checkpoint(target, tmp_path):
     assert torch.equal(tensors["norm.weight"], model.model.norm.weight)
 
 
+def test_target_head_of_a_loaded_tied_target_is_saved(target, tmp_path):
+    """A loaded target whose lm_head is its embedding (tie_word_embeddings, SmolLM2's case) on the CPU:
+    both tensors saved (safetensors refuses one storage under two names)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    head_path = tmp_path / "target_head.safetensors"
+    save_target_head(head_path, HiddenSettings.defaults().replace(target=target, aux_layers=[0, 1, 3]), model=model)
+    tensors, _ = load_target_head(head_path)
+    assert torch.equal(tensors["lm_head.weight"], model.model.embed_tokens.weight)
+    assert torch.equal(tensors["embed_tokens.weight"], model.model.embed_tokens.weight)
+
+
 def test_target_head_of_a_hub_name_reads_only_the_head_files(target, tmp_path, monkeypatch):
     """A hub name (here an offline Hugging Face cache laid out as the hub client writes it) gives the
     head from the index and the one shard that holds it, never the whole target."""

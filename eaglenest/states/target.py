@@ -253,6 +253,10 @@ def save_target_head(head_path, settings: HiddenSettings | None = None, *, model
             "norm.weight": decoder_of(model).norm.weight,
         }
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    if weights["lm_head.weight"].data_ptr() == weights["embed_tokens.weight"].data_ptr():
+        # a tied target's head is its embedding: safetensors refuses two names for one storage (on CUDA the
+        # copy to the CPU made two already)
+        weights["lm_head.weight"] = weights["lm_head.weight"].clone()
     from ..util import save_safetensors
 
     save_safetensors(weights, head_path, {"format": HEAD_FORMAT})
