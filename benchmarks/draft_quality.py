@@ -111,7 +111,7 @@ class Layout:
         return self.root / "target"
 
     def traces(self):
-        return sorted((self.run / "traces").glob("shard_*.jsonl")) if self.run else sorted(
+        return sorted(p for p in (self.run / "traces").glob("shard_*.jsonl") if p.stem[6:].isdigit()) if self.run else sorted(
             (self.root / "traces").glob("chunk_*.jsonl"))
 
     def hidden(self):
@@ -231,15 +231,16 @@ def write_data(lay: Layout, gguf, mtbench, *, answers, heldout, chunk, batch, de
 
 
 def size_chunks(lay: Layout, n):
-    """The first chunks holding ``n`` answers: (trace paths, hidden paths); sizes are whole chunks."""
+    """The first chunks holding ``n`` answers: (trace paths, hidden paths); sizes are whole chunks (a workflow's
+    shards hold about answers / shards each: within 5% counts)."""
     traces, hidden = lay.traces(), lay.hidden()
     counts, total = [], 0
     for t in traces:
         total += sum(1 for line in open(t) if line.strip())
         counts.append(total)
-        if total >= n:
+        if total >= 0.95 * n:
             break
-    if total != n:
+    if abs(total - n) > 0.05 * n:
         raise SystemExit(f"size {n}: the chunks hold {counts} answers cumulatively; pick sizes at chunk boundaries")
     k = len(counts)
     return traces[:k], hidden[:k] if len(hidden) >= k else None
@@ -298,11 +299,14 @@ def peer_config(lay: Layout, vocab_size, aux_layers, *, ttt, epochs, seed):
     compile under the lent GPU's torch)."""
     from speculators.train.config.schema import TrainConfig
 
+    # On a CPU: flex attention has no backward there, so sdpa (the same attention, a dense mask), and its
+    # scores materialised, so 2,048-token packs (our recipe's batch) instead of its 8,192.
+    cpu = {"draft_attn_impl": "sdpa"} if not torch.cuda.is_available() else {}
     return TrainConfig(
         speculator_type="eagle3", seed=seed,
         verifier={"verifier_name_or_path": str(lay.target)},
-        draft={"draft_vocab_size": vocab_size, "target_layer_ids": list(aux_layers)},
-        data={"data_path": str(lay.root), "num_workers": 0},
+        draft={"draft_vocab_size": vocab_size, "target_layer_ids": list(aux_layers), **cpu},
+        data={"data_path": str(lay.root), "num_workers": 0, **({"total_seq_len": 2048} if cpu else {})},
         loss={"ttt_steps": ttt, "loss_implementation": "eager"},
         trainer={"epochs": epochs},
     )
@@ -588,6 +592,7 @@ def main(argv=None):
     p.add_argument("--answers", type=int, default=32000)
     p.add_argument("--heldout", type=int, default=200)
     p.add_argument("--eval-limit", type=int, default=None, help="MT-Bench first turns asked (default: all 80)")
+    p.add_argument("--heldout-from", default=None, help="states: the held-out set's greedy answers from this trace file")
     p.add_argument("--questions", default=None, help="a JSON-lines file of questions instead of the target's own")
     p.add_argument("--max-tokens", type=int, default=None, help="answer tokens (default: the preset's)")
     p.add_argument("--chunk", type=int, default=2000)
@@ -605,6 +610,8 @@ def main(argv=None):
                    questions_file=a.questions, max_tokens=a.max_tokens)
     elif a.stage == "states":
         extract_states(lay, a.sizes, a.device)
+        if a.heldout_from:  # greedy answers never trained on (e.g. a workflow shard past the largest size)
+            write_jsonl(lay.evalset("heldout"), read_jsonl(a.heldout_from)[:a.heldout])
     elif a.stage == "check":
         print(json.dumps(check_peer_batch(lay, a.sizes[0], a.device)))
     elif a.stage == "train":
