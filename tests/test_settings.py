@@ -172,8 +172,8 @@ def test_draft_kind_reaches_the_draft_and_retrains_it():
     from eaglenest.draft.checkpoint import draft_config, resolve_config
     from eaglenest.states.target import TargetFacts
 
-    eagle3, eagle31 = TrainSettings.defaults(), TrainSettings.from_config(_with({"draft.kind": "eagle3.1"}))
-    assert eagle3.draft.kind == "eagle3" and eagle31.config()["kind"] == "eagle3.1"
+    eagle31, eagle3 = TrainSettings.defaults(), TrainSettings.from_config(_with({"draft.kind": "eagle3"}))
+    assert eagle3.draft.kind == "eagle3" and eagle31.config()["kind"] == "eagle3.1"  # the default: eagle3.1
     assert eagle3.fingerprint() != eagle31.fingerprint()
     from transformers import LlamaConfig
 
