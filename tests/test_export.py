@@ -36,7 +36,8 @@ def test_export_then_reload_is_identical(checkpoint, tmp_path):
     assert config["architectures"] == [ARCHITECTURE] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["vocab_size"] == 100 and config["draft_vocab_size"] == 40
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is False
-    assert config["fc_norm"] is False and config["norm_output"] is False  # eagle3, written out all the same
+    assert config["fc_norm"] is True and config["norm_output"] is True  # eagle3.1, the default kind
+    assert config["norm_before_fc"] is False  # speculators' switch, written out all the same
     assert config["tie_word_embeddings"] is False and "target_hidden_size" not in config  # same width as the target
     saved, cfg, _, _ = load_checkpoint(checkpoint)
     assert set(tensors) == set(tensor_shapes(cfg)) and "embed_tokens.weight" not in tensors

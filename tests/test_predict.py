@@ -98,12 +98,9 @@ def test_ngram_proposal_takes_the_longest_suffix_and_its_first_occurrence():
 
 def test_ngram_proposal_is_vllms():
     """Against vLLM's own function (its Python body, not compiled) on random short-alphabet contexts."""
-    pytest.importorskip("numba")
-    np = pytest.importorskip("numpy")
-    try:
-        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as theirs
-    except ImportError:
-        pytest.skip("vLLM is not installed")
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as theirs
+
     g = torch.Generator().manual_seed(0)
     for trial in range(300):
         context = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
