@@ -100,7 +100,7 @@ def test_default_report_holds_the_matrix_and_its_csv(default_run):
         for key in ("acceptance_length", "output_tokens", "speedup", "score"):
             assert (pd.isna(row[key]) and c[key] is None) or row[key] == pytest.approx(c[key]), (key, row, c)
     # The model cards carry the matrix.
-    assert "Acceptance length by evaluation set and temperature" in (wd / "draft/checkpoint/README.md").read_text()
+    assert "Tokens per target step by evaluation set and temperature" in (wd / "draft/checkpoint/README.md").read_text()
 
 
 def _wrong_export(src: Path, dst: Path, **changes) -> Path:
@@ -161,6 +161,6 @@ def test_default_report_draws_acceptance_along_training(default_run):
         assert measured["drafts"] > 0 and measured["step"] == p["step"] and measured["of_steps"] == steps[-1]
         assert 1.0 <= p["acceptance_length"] <= 1 + report["num_speculative_tokens"]
     assert points[0]["acceptance_length"] < points[-1]["acceptance_length"], points
-    assert report["curve"]["last_gain"] == pytest.approx(points[-1]["acceptance_length"] - points[-2]["acceptance_length"])
+    assert report["curve"]["last_gain"] == pytest.approx(points[-1]["tokens_per_step"] - points[-2]["tokens_per_step"])
     html = (wd / "reports/validation.html").read_text()
-    assert "Acceptance along training" in html and 'aria-label="Acceptance along training' in html
+    assert "Acceptance along training" in html and 'aria-label="Tokens per target step along training' in html
