@@ -545,8 +545,11 @@ def report(lay: Layout):
         lines.append(f"| {n:,} | " + " | ".join(f"{v:.3f}" for v in row.values) + " |")
     for r in rows:
         if r["method"] == "ngram":
-            lines.append(f"\nn-gram on {r['set']}: {r['tokens_per_step']:.3f} tokens per step "
-                         f"(drafted on {r['drafted_share']:.0%} of steps; {r['acceptance_length']:.3f} per drafted step)")
+            if r.get("drafted_share"):
+                lines.append(f"\nn-gram on {r['set']}: {r['tokens_per_step']:.3f} tokens per step "
+                             f"(drafted on {r['drafted_share']:.0%} of steps; {r['acceptance_length']:.3f} per drafted step)")
+            else:  # no n-gram matched anywhere: vLLM's per-draft figures are undefined
+                lines.append(f"\nn-gram on {r['set']}: never drafted, 1.000 tokens per step")
     sizes = sorted(table.index)
     for col in table.columns:
         gains = [table[col][b] - table[col][a] for a, b in zip(sizes, sizes[1:]) if b == 4 * a]
