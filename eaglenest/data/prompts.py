@@ -81,7 +81,7 @@ PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
 class Columns(NamedTuple):
     """Where a dataset's rows hold what this stage reads."""
 
-    question: str          # the column of the question
+    column: str            # the column read: the question (kind text) or the whole conversation (kind turns)
     kind: str              # "turns": a list of turns (OpenAI messages or ShareGPT); "text": a plain string
     id: str | None = None  # the column of the rows' ids; None: a hash of the kept messages
 
@@ -463,14 +463,14 @@ def columns_refusal(path: str, mapping: dict | None, where: str, *, key: str = "
     reasons = []
     for row in rows:
         try:
-            extract_messages(row, fmt=cols.question, kind=cols.kind)
+            extract_messages(row, fmt=cols.column, kind=cols.kind)
             if cols.id:
                 row_id(row, cols.id)
             return None
         except RowError as e:
             reasons.append(str(e))
     mapped = f"{key}.{'conversation' if cols.kind == 'turns' else 'question'}"
-    return (f"{where}: none of its first {len(rows)} rows holds a question in column {cols.question!r} "
+    return (f"{where}: none of its first {len(rows)} rows holds a question in column {cols.column!r} "
             f"(e.g. {reasons[0]}); found columns {columns}; set {mapped} to the column that holds it "
             f"(question: plain text, conversation: a list of turns)")
 
@@ -503,7 +503,7 @@ def _row_messages(row, cols: Columns, keep_system, max_prompt_chars, seen) -> tu
     ``seen``: the ids and hashes kept so far."""
     if row is _BAD_LINE:
         _bad_line()
-    messages = extract_messages(row, keep_system, fmt=cols.question, kind=cols.kind)
+    messages = extract_messages(row, keep_system, fmt=cols.column, kind=cols.kind)
     chars = sum(len(m["content"]) for m in messages)
     if chars > max_prompt_chars:
         raise RowError("too_long", f"{chars} characters > max_prompt_chars {max_prompt_chars}")
@@ -587,7 +587,7 @@ def prepare_prompts(out_dir, settings: PromptSettings | None = None, *, progress
     keep_system, max_prompt_chars, cache_dir = s.keep_system, s.max_prompt_chars, s.cache_dir
     _check_sizes(shards, limit, heldout)
     rows, n_rows, cols = _open_dataset(path, split, cache_dir, subset, progress, s.columns, columns_key)
-    fmt = cols.question
+    fmt = cols.column
     ordered, kept, dropped, examples = _select(rows, n_rows, cols, path, keep_system=keep_system, max_prompt_chars=max_prompt_chars,
                                                seed=seed, cap=None if limit is None else heldout + limit, progress=progress)
     if kept == 0:
