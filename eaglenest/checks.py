@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.prompts import is_local_dataset, same_prompts
+from .data.prompts import columns_refusal, is_local_dataset, same_prompts
 from .errors import ConfigError
 from .util import is_local_path
 from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
@@ -206,6 +206,26 @@ def check_datasets(config: dict, workdir: Path) -> list[str]:
     return errors
 
 
+def check_columns(config: dict, workdir: Path) -> tuple[list[str], list[str]]:
+    """(errors, notes): each local dataset (dataset.path, validate.datasets[i].path) yields a question from its first
+    rows with its column mapping (dataset.columns, validate.datasets[i].columns), e.g. not a lone `text` column
+    unmapped; a hub dataset is not read before a job, said in one note. A missing file is check_datasets'."""
+    d = config["dataset"]
+    sets = [("dataset.path", d["path"], d["columns"], "dataset.columns")] * (not d["generate"]["questions"]) + [
+        (f"validate.datasets[{i}].path ({s['name']})", s["path"], s.get("columns"), f"validate.datasets[{i}].columns")
+        for i, s in enumerate(config["validate"]["datasets"])]
+    errors, hub = [], []
+    for key, path, columns, columns_key in sets:
+        local = workdir / Path(path).expanduser()
+        if not is_local_dataset(path, workdir):
+            hub.append(path)
+        elif local.exists():
+            errors += [e for e in (columns_refusal(str(local), columns, f"{key} {path}", key=columns_key),) if e]
+    notes = [f"columns of the hub dataset(s) {', '.join(dict.fromkeys(hub))} not checked: only local files are read "
+             "before a job (prepare_prompts and validate_draft check them)"] if hub else []
+    return errors, notes
+
+
 def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
     """Run every check of a resolved config; raise ConfigError with one line per failure, else return
     the notes of the checks skipped (the plan prints them). ``plan``: eaglenest.plan's Plan of this config
@@ -227,6 +247,8 @@ def check_config(config: dict, plan, workdir: str | Path = ".") -> list[str]:
         skipped.append("generation.max_tokens and hidden.max_length not checked: server.max_model_len is null "
                        "and the target's max_position_embeddings is not known here")
     errors += check_datasets(config, workdir)
+    found, notes = check_columns(config, workdir)
+    errors, skipped = errors + found, skipped + notes
     errors += [e for e in (check_longest_prompt(config, model, cfg, workdir),) if e]
     if plan.mode == "files" and plan.files_bytes is None:
         skipped.append("files mode's disk not checked: the target's hidden size is unknown (set plan.hidden_size)")

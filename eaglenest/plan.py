@@ -9,6 +9,7 @@ and, once trace shards have finished, the projected generation time from their m
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sys
@@ -55,17 +56,19 @@ def server_gpus(config: dict) -> int:
 
 
 def dataset_rows(path: str) -> int | None:
-    """Rows of a local dataset (jsonl and csv by lines, parquet from its metadata, json loaded);
-    None for a hub name or a file of another kind (nothing is downloaded)."""
+    """Rows of a local dataset (jsonl and csv by lines, parquet from its metadata, json loaded; .gz
+    read through); None for a hub name (nothing is downloaded); 0 for files of another kind (which the
+    checks refuse: checks.check_columns)."""
     p = Path(path).expanduser()
     if not p.exists():
         return None
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
     rows = 0
     for f in files:
-        name = f.name.lower()
+        name = f.name.lower().removesuffix(".gz")
+        opener = gzip.open if f.name.lower().endswith(".gz") else open
         if name.endswith(".jsonl"):
-            with open(f, "rb") as fh:
+            with opener(f, "rb") as fh:
                 rows += sum(1 for line in fh if line.strip())
         elif name.endswith(".csv"):
             with open(f, "rb") as fh:
@@ -75,7 +78,8 @@ def dataset_rows(path: str) -> int | None:
 
             rows += pq.ParquetFile(f).metadata.num_rows
         elif name.endswith(".json"):
-            data = json.loads(f.read_text())
+            with opener(f, "rt", encoding="utf-8") as fh:
+                data = json.load(fh)
             rows += len(data) if isinstance(data, list) else 1
     return rows
 

@@ -100,6 +100,7 @@ class PromptSettings(Stage):
     seed: int = setting("dataset.seed")
     keep_system: bool = setting("dataset.keep_system")
     max_prompt_chars: int = setting("dataset.max_prompt_chars")
+    columns: dict = setting("dataset.columns")  # the columns of the question and the id (None each: guessed)
     shards: int = setting("shards")
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)  # where datasets caches, not what it reads
 

@@ -202,3 +202,65 @@ def test_the_longest_prompt_in_the_chat_template_plus_max_tokens_must_fit_the_co
     check_config(fits, make_plan(fits, tmp_path, has_gpu=False), tmp_path)
     other = validate_config(toy_config(str(ROOT / "toy/target"), server={"max_model_len": 512}, generation={"max_tokens": 300}))
     check_config(other, make_plan(other, tmp_path, has_gpu=False), tmp_path)  # the toy's prompts: not prepared here
+
+
+def text_only_dataset(path: Path, n: int = 30) -> str:
+    path.write_text("".join(json.dumps({"text": f"What is {i} + {i}?"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_a_text_only_dataset_is_refused_in_the_dry_run_until_dataset_columns_names_its_column(tmp_path):
+    """A dataset whose only column is `text` gave "prompts: 0" later and passed the dry-run: now the dry-run stops
+    on it, naming the file, its columns and the setting; with dataset.columns.question: text it passes, the plan
+    counts its rows and prepare_prompts reads them."""
+    data = text_only_dataset(tmp_path / "text.jsonl")
+    cfg = toy_config(str(ROOT / "toy/target"), dataset={"path": data, "heldout": 5})
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "wd"), "-n", "--cores", "1",
+                          "--configfile", str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=300,
+                         env=_no_gpu_env())
+    out = run.stdout + run.stderr
+    words = [f"dataset.path {data}", "no question column", "['text']", "dataset.columns.question: text"]
+    assert run.returncode != 0 and "Traceback" not in out
+    assert any(all(w in line for w in words) for line in out.splitlines()), out[-2000:]
+    assert not (tmp_path / "wd/data").exists()
+
+    mapped = {**cfg, "dataset": {**cfg["dataset"], "columns": {"question": "text"}}}
+    (tmp_path / "mapped.yaml").write_text(yaml.safe_dump(mapped))
+    run = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "wd"), "-n", "--cores", "1",
+                          "--configfile", str(tmp_path / "mapped.yaml")], capture_output=True, text=True, timeout=300,
+                         env=_no_gpu_env())
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-2000:]
+    assert f"prompts: 25 ({data}: 30 rows, at most)" in out and "prepare_prompts" in out
+    from eaglenest.data.prompts import prepare_prompts
+
+    stats = prepare_prompts(tmp_path / "prompts", PromptSettings.from_config(validate_config(mapped)), progress=False)
+    assert (stats["kept"], stats["train"], stats["format"]) == (30, 25, "text")
+
+
+def test_an_evaluation_sets_columns_are_checked_and_mapped_like_the_datasets(tmp_path):
+    """validate.datasets[i].columns maps an evaluation set's columns as dataset.columns does (a misspelt column
+    is refused naming the columns there), load_set reads it so, and a hub set is not read, said in one note."""
+    from eaglenest.validation.evalsets import load_set, resolve_sets
+
+    data = text_only_dataset(tmp_path / "eval.jsonl", 4)
+    model = str(ROOT / "toy/target")
+    for columns, words in [(None, ["validate.datasets[1].path (texts)", "validate.datasets[1].columns.question: text"]),
+                           ({"question": "txt"}, ["validate.datasets[1].columns.question is 'txt'", "['text']"])]:
+        cfg = toy_config(model)
+        cfg["validate"]["datasets"].append({"name": "texts", "path": data, **({"columns": columns} if columns else {})})
+        cfg = validate_config(cfg)
+        with pytest.raises(ConfigError) as e:
+            check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    cfg = toy_config(model)
+    cfg["validate"]["datasets"] += [{"name": "texts", "path": data, "columns": {"question": "text"}},
+                                    {"name": "bench", "path": "org/bench"}]
+    cfg = validate_config(cfg)
+    skipped = check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    assert skipped == ["columns of the hub dataset(s) org/bench not checked: only local files are read before a job "
+                       "(prepare_prompts and validate_draft check them)"]
+    texts = resolve_sets(cfg["validate"]["datasets"], tmp_path / "heldout.jsonl")[2]
+    rows = load_set(texts, cache_dir=str(tmp_path / "cache"))
+    assert sorted(r["messages"][0]["content"] for r in rows) == sorted(f"What is {i} + {i}?" for i in range(4))

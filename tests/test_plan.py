@@ -92,6 +92,27 @@ def test_a_local_dataset_is_counted_and_prepared_prompts_are_read(tmp_path):
     assert make_plan(config, tmp_path).prompts == 21
 
 
+def test_gzipped_datasets_are_counted_and_stats_of_another_column_mapping_are_not_read(tmp_path):
+    """A .jsonl.gz or .json.gz dataset was counted as 0 rows ("prompts: 0"); prompts prepared with another
+    dataset.columns are not this config's."""
+    import gzip
+
+    for name, text in [("d.jsonl.gz", "".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(30))),
+                       ("d.json.gz", json.dumps([{"prompt": f"q{i}"} for i in range(30)]))]:
+        with gzip.open(tmp_path / name, "wt") as f:
+            f.write(text)
+        config = validate_config({"dataset": {"path": str(tmp_path / name), "heldout": 5}, "plan": {"hidden_size": 64}})
+        assert make_plan(config, tmp_path).prompts == 25
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    made = {"train": 21, "path": str(tmp_path / name), "seed": 0, "limit": None, "keep_system": False,
+            "max_prompt_chars": 32000, "columns": {"question": "text", "conversation": None, "id": None}}
+    (tmp_path / "data/prompts/stats.json").write_text(json.dumps(made))
+    plan = make_plan(config, tmp_path)
+    assert plan.prompts == 25 and "another dataset's or setting's" in plan.prompts_source
+    mapped = validate_config({**config, "dataset": {**config["dataset"], "columns": {"question": "text"}}})
+    assert make_plan(mapped, tmp_path).prompts == 21
+
+
 def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys):
     config = validate_config({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}})
     assert "projected once a trace shard has finished" in format_plan(make_plan(config, tmp_path))

@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.data.prompts import REASONS, PromptsError, RowError, extract_messages, prepare_prompts, prompt_id
+from eaglenest.data.prompts import (REASONS, PromptsError, RowError, columns_refusal, extract_messages, prepare_prompts,
+                                    prompt_id, same_prompts, shard_number)
 from eaglenest.settings import PromptSettings
 
 
@@ -166,6 +167,102 @@ def test_hub_failure_is_a_prompts_error(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake)
     with pytest.raises(PromptsError, match="someone/data.*Couldn't reach"):
         prepare_prompts(tmp_path / "out", quick("someone/data"), progress=False)
+
+
+# --- dataset.columns --------------------------------------------------------------------------
+
+TEXT_ROWS = [{"text": f"text question {i}?", "label": i % 2} for i in range(5)]
+
+
+def test_a_text_column_is_refused_unmapped_and_read_once_dataset_columns_names_it(tmp_path):
+    path = write(tmp_path / "d.jsonl", TEXT_ROWS)
+    with pytest.raises(PromptsError) as e:
+        prepare_prompts(tmp_path / "out", quick(path), progress=False)
+    assert "d.jsonl" in str(e.value) and "['text', 'label']" in str(e.value) and "dataset.columns.question: text" in str(e.value)
+    stats, shards, _ = run(tmp_path, TEXT_ROWS, columns={"question": "text"})
+    assert stats["format"] == "text" and stats["columns"] == {"question": "text"} and stats["kept"] == 5
+    assert sorted(questions(shards[0])) == [f"text question {i}?" for i in range(5)]
+    assert all(r["id"] == prompt_id(r["messages"]) for r in shards[0])
+
+
+def dialog(q, shape, uid):
+    """A conversation under a column no guess knows (``dialog``), OpenAI- or ShareGPT-shaped, and its id (``uid``)."""
+    turns = {"openai": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+                        {"role": "assistant", "content": "a"}],
+             "sharegpt": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": q},
+                          {"from": "gpt", "value": "a"}]}[shape]
+    return {"uid": uid, "dialog": turns, "prompt": "a column the mapping overrides"}
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet", "csv"])
+@pytest.mark.parametrize("shape", ["openai", "sharegpt"])
+def test_a_mapped_conversation_column_of_either_shape_and_an_id_column(tmp_path, shape, ext):
+    """The mapped conversation column wins over a guessed one (prompt); its first user turn is the question; the id
+    column's values are the prompts' ids (integers as text), each in the shard its id picks; a row with an id seen
+    before, or the same question as an earlier row, is a duplicate."""
+    rows = [dialog(f"question {i}?", shape, f"conv-{i}") for i in range(6)] + [
+        dialog("another question?", shape, "conv-0"), dialog("question 1?", shape, "conv-new")]
+    stats, shards, _ = run(tmp_path, rows, name=f"d.{ext}", shards=2, keep_system=True,
+                           columns={"conversation": "dialog", "id": "uid"})
+    assert stats["format"] == "dialog" and stats["kept"] == 6 and stats["dropped"]["duplicate"] == 2
+    for i, shard in enumerate(shards):
+        for r in shard:
+            n = r["messages"][1]["content"].split()[1].rstrip("?")
+            assert r["id"] == f"conv-{n}" and shard_number(r["id"]) % 2 == i
+            assert r["messages"] == [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": f"question {n}?"}]
+    stats, shards, _ = run(tmp_path, [{"n": i, "q": f"q{i}"} for i in range(3)], name="n.jsonl", out="out2",
+                           columns={"question": "q", "id": "n"})
+    assert sorted(r["id"] for r in shards[0]) == ["0", "1", "2"]
+
+
+def test_a_misspelt_or_doubled_mapping_is_refused_naming_the_columns_present(tmp_path):
+    path = write(tmp_path / "d.jsonl", TEXT_ROWS)
+    for columns, words in [({"question": "txet"}, ["dataset.columns.question is 'txet'", "['text', 'label']"]),
+                           ({"question": "text", "id": "uid"}, ["dataset.columns.id is 'uid'", "['text', 'label']"]),
+                           ({"question": "text", "conversation": "label"}, ["question ('text') and conversation ('label')"])]:
+        with pytest.raises(PromptsError) as e:
+            prepare_prompts(tmp_path / "out", quick(path, columns=columns), progress=False)
+        assert all(w in str(e.value) for w in words), str(e.value)
+        line = columns_refusal(path, columns, f"dataset.path {path}")
+        assert line is not None and "\n" not in line and all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "parquet", "csv", "jsonl.gz"])
+def test_the_first_rows_of_every_file_type_tell_whether_a_prompt_will_come(tmp_path, ext):
+    """The parse-time check reads a few rows without datasets: a lone text column is refused naming the file, its
+    columns and the setting; mapped, it passes; a column of turns that never holds a question is refused too."""
+    path = write(tmp_path / f"d.{ext}", TEXT_ROWS)
+    line = columns_refusal(path, {}, f"dataset.path {path}")
+    assert line.startswith(f"dataset.path {path}: no question column") and "['text', 'label']" in line
+    assert "dataset.columns.question: text" in line and "\n" not in line
+    assert columns_refusal(path, {"question": "text"}, "dataset.path") is None
+    assert columns_refusal(write(tmp_path / f"ok.{ext}", [sharegpt("q")]), {}, "dataset.path") is None
+    bad = write(tmp_path / f"bad.{ext}", [{"messages": [{"role": "assistant", "content": "hi"}]}] * 3)
+    line = columns_refusal(bad, {}, "dataset.path bad")
+    assert "none of its first 3 rows holds a question in column 'messages'" in line and "dataset.columns.conversation" in line
+
+
+def test_the_first_rows_of_a_directory_and_files_not_read_cheaply(tmp_path):
+    write(tmp_path / "data" / "a.jsonl", TEXT_ROWS)
+    write(tmp_path / "data" / "b.jsonl", TEXT_ROWS)
+    assert "no question column" in columns_refusal(str(tmp_path / "data"), None, "dataset.path data")
+    (tmp_path / "pretty.jsonl").write_text(json.dumps({"text": "q"}, indent=2))  # datasets reads it; the check does not
+    assert columns_refusal(str(tmp_path / "pretty.jsonl"), None, "dataset.path pretty") is None
+    (tmp_path / "empty").mkdir()
+    assert columns_refusal(str(tmp_path / "empty"), None, "dataset.path empty").startswith("dataset.path empty: holds no")
+    (tmp_path / "q.txt").write_text("What is 1 + 1?\n")  # once "prompts: 0" in the plan, and passed
+    assert columns_refusal(str(tmp_path / "q.txt"), None, "dataset.path q.txt") == (
+        "dataset.path q.txt: unknown file type; expected one of .jsonl, .jsonl.gz, .json, .json.gz, .parquet, .csv")
+
+
+def test_stats_made_with_another_column_mapping_are_not_this_configs():
+    config = {"dataset": {"path": "d.jsonl", "generate": {"questions": 0}, "seed": 0, "limit": None, "keep_system": False,
+                          "max_prompt_chars": 10, "columns": {"question": None, "conversation": None, "id": None}}}
+    made = {"path": "d.jsonl", "seed": 0, "limit": None, "keep_system": False, "max_prompt_chars": 10}
+    assert same_prompts(made, config)  # written before dataset.columns: every column guessed
+    assert same_prompts({**made, "columns": dict(config["dataset"]["columns"])}, config)
+    assert not same_prompts({**made, "columns": {"question": "text", "conversation": None, "id": None}}, config)
 
 
 # --- bad rows ---------------------------------------------------------------------------------
@@ -368,7 +465,8 @@ def test_stats_and_summary(tmp_path, capsys):
     on_disk = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert on_disk == stats
     assert stats | {"path": None} == {
-        "path": None, "split": None, "format": "conversations", "rows_read": 14, "kept": 12, "heldout": 2,
+        "path": None, "split": None, "format": "conversations", "columns": {"question": None, "conversation": None, "id": None},
+        "rows_read": 14, "kept": 12, "heldout": 2,
         "train": 5, "unused": 5, "shards": stats["shards"], "seed": 7, "limit": 5, "keep_system": False,
         "max_prompt_chars": 32000, "dropped": {"duplicate": 1, "empty": 1, "non_string": 0, "malformed": 0,
                                                "too_long": 0}, "longest_prompt": stats["longest_prompt"]}

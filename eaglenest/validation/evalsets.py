@@ -17,7 +17,8 @@ from ..data.prompts import prepare_prompts
 from ..settings import PromptSettings
 
 HELDOUT = "heldout"  # the held-out split's name in the matrix; always the first set
-SET_DEFAULTS = {"split": "train", "subset": None, "limit": None, "seed": 0, "chat_template_kwargs": None}
+SET_DEFAULTS = {"split": "train", "subset": None, "limit": None, "seed": 0, "chat_template_kwargs": None,
+                "columns": None}
 
 
 def resolve_sets(datasets: list[dict] | None, heldout_path) -> list[dict]:
@@ -54,7 +55,8 @@ def load_set(spec: dict, cache_dir=None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="eaglenest-evalset-") as tmp:
         settings = PromptSettings.defaults().replace(path=spec["path"], shards=1, split=spec["split"],
                                                      limit=spec["limit"], heldout=0, seed=spec["seed"],
-                                                     cache_dir=cache_dir)
-        prepare_prompts(tmp, settings, subset=spec["subset"], progress=False)
+                                                     cache_dir=cache_dir, columns=spec["columns"] or {})
+        prepare_prompts(tmp, settings, subset=spec["subset"], progress=False,
+                        columns_key=f"validate.datasets ({spec['name']}).columns")
         rows = read_prompts(Path(tmp) / "shard_0.jsonl")
     return rows
