@@ -62,7 +62,7 @@ run: $(STAMP)
 	$(VENV)/bin/snakemake --cores all $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG)) $(SNAKEMAKE_ARGS)
 
 # What a run will cost, before any job: prompts, tokens, hidden-state disk (files against stream), GPUs
-# and replicas per stage, the projected generation time once shards have finished. CONFIG=configs/x.yaml
+# and replicas per stage, each stage's time and GPU-hours, and the total with the peak disk. CONFIG=configs/x.yaml
 # plans a preset (default: config.yaml); `snakemake -n` prints the same lines.
 CONFIG ?= config.yaml
 plan: $(STAMP)

@@ -1,8 +1,10 @@
 """What a run will cost, from the config and the dataset's size alone, before any job runs.
 
 `make_plan` computes the figures (prompts, the upper bound on tokens, the hidden states' disk in
-`files` mode against `stream` mode's budget, the GPUs each stage holds and the servers' replicas,
-and, once trace shards have finished, the projected generation time from their measured rate);
+`files` mode against `stream` mode's budget, the GPUs each stage holds and the servers' replicas, each
+stage's time and GPU-hours, and the run's total: wall time, GPU-hours and peak disk with the target's own
+weights); generation's time comes from the measured rate once trace shards have finished, else from
+plan.generate_tokens_per_s, else from a rate assumed from the GPU kind and the weights' size, said so;
 `format_plan` writes them as the lines the workflow logs at every start (dry-runs included) and
 `python -m eaglenest.plan` (`make plan`) prints. Nothing here downloads anything or starts a job.
 """
@@ -15,10 +17,12 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .config import matrix_temperatures
 from .data.prompts import same_prompts
 from .gguf import is_gguf
+from .gpus import nvidia_smi
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
@@ -26,6 +30,18 @@ from .states.preflight import bytes_per_token, target_config
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
+# The GPUs the assumed generation rate knows, by the name nvidia-smi gives them: memory in GiB (as nvidia-smi
+# reports it, to match hidden.vllm.gpu_memory_gib) and memory bandwidth in TB/s (the vendor's figure).
+GPU_KINDS = {"B200": (179.1, 8.0), "H200": (140.4, 4.8), "H100": (79.6, 3.35), "A100": (80.0, 2.04),
+             "L40S": (45.0, 0.864)}
+DEFAULT_GPU = "H100"  # where neither nvidia-smi nor hidden.vllm.gpu_memory_gib says
+# The assumed generation rate: one decode step of a replica's whole batch takes this many times as long as one
+# read of its weights at its GPUs' memory bandwidth (the KV cache's reads, the compute, the all-reduces), and no
+# less than MIN_STEP_S (vLLM's scheduling, sampling and kernel launches, which dominate for small models).
+STEP_PER_WEIGHT_READ = 10
+MIN_STEP_S = 0.02
+# A trace on disk, a token: its id in JSON (up to 7 B with the comma) and its text (about 4 B).
+TRACE_BYTES_PER_TOKEN = 12
 
 
 def gpus_text(n: int) -> str:
@@ -95,6 +111,91 @@ def target_hidden_size(config: dict) -> tuple[int | None, str]:
     return config["plan"]["hidden_size"], "plan.hidden_size"
 
 
+def gpu_kind(config: dict, has_gpu: bool) -> tuple[str, str]:
+    """The GPU the target's servers run on, as GPU_KINDS names it, and how the plan knows: nvidia-smi's name here
+    (server.mode local), else the kind whose memory is nearest hidden.vllm.gpu_memory_gib, else DEFAULT_GPU."""
+    if has_gpu and config["server"]["mode"] == "local":
+        names = " ".join(row[0] for row in nvidia_smi("--query-gpu=name") if row).upper()
+        kind = next((k for k in GPU_KINDS if k in names), None)
+        if kind:
+            return kind, "nvidia-smi here"
+    gib = config["hidden"]["vllm"]["gpu_memory_gib"]
+    if gib:
+        kind = min(GPU_KINDS, key=lambda k: abs(GPU_KINDS[k][0] - gib))
+        return kind, f"hidden.vllm.gpu_memory_gib {gib:g} GiB is nearest its memory"
+    return DEFAULT_GPU, "assumed: no nvidia-smi here, no hidden.vllm.gpu_memory_gib"
+
+
+def target_weights(config: dict) -> tuple[int | None, str]:
+    """Bytes of the target's weights on disk (server.model) and where the figure comes from: a local directory's
+    files or a GGUF file; a hub name's safetensors in the Hugging Face cache; else plan.weights_gb. Nothing is
+    downloaded."""
+    model = config["server"]["model"]
+    found = local_bytes(model) or cached_bytes(model)
+    if found:
+        return found
+    if config["plan"]["weights_gb"]:
+        return int(config["plan"]["weights_gb"] * 1e9), "plan.weights_gb"
+    return None, f"{model} is not here (a local directory or the Hugging Face cache): set plan.weights_gb"
+
+
+def local_bytes(model: str) -> tuple[int, str] | None:
+    """A local file's size, or the sum of a local directory's files; None for anything else."""
+    p = Path(model).expanduser()
+    if p.is_file():
+        return p.stat().st_size, f"{model}'s size"
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()), f"{model}'s files"
+    return None
+
+
+def cached_bytes(model: str) -> tuple[int, str] | None:
+    """A hub name's safetensors as the Hugging Face cache knows them (the index's total_size, else the one
+    model.safetensors), as vLLM downloads them; None where the cache has neither."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        index, single = (try_to_load_from_cache(model, f) for f in ("model.safetensors.index.json", "model.safetensors"))
+    except ValueError:  # not a repo id either
+        return None
+    if isinstance(index, str):
+        total = (json.loads(Path(index).read_text()).get("metadata") or {}).get("total_size")
+        if total:
+            return int(total), f"{model}'s model.safetensors.index.json in the Hugging Face cache"
+    if isinstance(single, str):
+        return Path(single).stat().st_size, f"{model}'s model.safetensors in the Hugging Face cache"
+    return None
+
+
+def assumed_generation(config: dict, weights_bytes: int | None, has_gpu: bool) -> dict | None:
+    """Output tokens a second of one replica, assumed where plan.generate_tokens_per_s is unset: its share of
+    generation.concurrency in flight at each decode step, a step STEP_PER_WEIGHT_READ times one read of the weights
+    at its GPUs' memory bandwidth (at least MIN_STEP_S). None where the setting is given, the weights' size is
+    unknown, or the GPUs are not the plan's to know (an external server; a local one on this machine's CPU)."""
+    s = config["server"]
+    on_cpu = s["mode"] == "local" and not has_gpu
+    if config["plan"]["generate_tokens_per_s"] or not weights_bytes or on_cpu or s["mode"] == "external":
+        return None
+    kind, source = gpu_kind(config, has_gpu)
+    gpus, in_flight = server_gpus(config), config["generation"]["concurrency"] / s["replicas"]
+    step_s = max(MIN_STEP_S, STEP_PER_WEIGHT_READ * weights_bytes / (gpus * GPU_KINDS[kind][1] * 1e12))
+    return {"rate": in_flight / step_s, "in_flight": in_flight, "step_s": step_s, "gpus": gpus, "kind": kind,
+            "kind_source": source}
+
+
+class Stage(NamedTuple):
+    """One stage's time: it holds ``gpus`` GPUs for ``seconds`` (None: not estimated), of which ``overlap_s`` run
+    during another stage (stream mode's extraction server, during training) and add nothing to the wall time."""
+    seconds: float | None
+    gpus: int
+    how: str
+    overlap_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float | None:
+        return None if self.seconds is None else self.seconds - self.overlap_s
+
+
 @dataclass
 class Plan:
     prompts: int | None          # training prompts (None: unknown, a hub dataset without limit)
@@ -114,8 +215,11 @@ class Plan:
     gpus: dict = field(default_factory=dict)  # stage -> words
     measured: dict | None = None  # from finished trace shards: done, rate, remaining seconds
     validation: dict | None = None  # validation_time: server starts, tokens and seconds per start, total
-    stages: dict = field(default_factory=dict)  # stage_hours: stage -> (seconds or None, GPUs, how)
+    stages: dict = field(default_factory=dict)  # stage_hours: stage -> Stage
     skipped: list = field(default_factory=list)  # checks.check_config's notes: checks it could not run
+    weights_bytes: int | None = None  # the target's weights on disk (target_weights)
+    weights_source: str = ""
+    assumed: dict | None = None  # assumed_generation: the rate generation's time assumes, and from what
 
     def disk_refusal(self) -> str | None:
         """The plan's verdict binds: files mode whose shards cannot fit the free disk (checks.check_config stops there)."""
@@ -254,68 +358,113 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
                 stream_bytes=int(h["stream"]["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
                 replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
                 validation=validation_time(config))
+    plan.weights_bytes, plan.weights_source = target_weights(config)
+    plan.assumed = assumed_generation(config, plan.weights_bytes, has_gpu)
     plan.gpus = stage_plan(config, has_gpu)
     plan.stages = stage_hours(config, plan, has_gpu)
     return plan
 
 
 def stage_hours(config: dict, plan: Plan, has_gpu: bool) -> dict:
-    """``{stage: (seconds or None, GPUs held, how)}``: each stage's time (an upper bound: every answer runs to
-    generation.max_tokens, every sequence to the plan's longest) from the measured trace rate or the stated
-    plan.*_tokens_per_s, and the GPUs it holds meanwhile, for its GPU-hours."""
+    """``{stage: Stage}``: each stage's time (an upper bound: every answer runs to generation.max_tokens, every
+    sequence to the plan's longest) from the measured trace rate or the stated or assumed rates, and the GPUs it
+    holds meanwhile, for its GPU-hours."""
+    training = training_stage(config, plan, has_gpu)
+    return {"generation": generation_stage(config, plan, has_gpu), "extraction": extraction_stage(config, plan, has_gpu, training),
+            "training": training, "validation": validation_stage(config, plan, has_gpu)}
+
+
+def generation_stage(config: dict, plan: Plan, has_gpu: bool) -> Stage:
+    """The trace servers (every replica) from their start until the last answer: the rest at the measured rate,
+    else every prompt at plan.generate_tokens_per_s, else at the assumed rate (plan.assumed)."""
     p, s = config["plan"], config["server"]
-    replicas, per_server = s["replicas"], server_gpus(config)
-    server_held = replicas * per_server if s["mode"] != "external" else 0
-    out = {}
+    held = s["replicas"] * server_gpus(config) if s["mode"] != "external" else 0
     if plan.measured:
-        out["generation"] = (plan.measured["remaining_s"], server_held, "the rest, at the measured trace rate")
-    elif p["generate_tokens_per_s"] and plan.generated_tokens:
-        out["generation"] = (plan.generated_tokens / (p["generate_tokens_per_s"] * replicas), server_held,
-                             f"plan.generate_tokens_per_s {p['generate_tokens_per_s']:g} a server")
+        return Stage(plan.measured["remaining_s"], held, "the rest, at the measured trace rate")
+    if p["generate_tokens_per_s"]:
+        rate, how = p["generate_tokens_per_s"], f"plan.generate_tokens_per_s {p['generate_tokens_per_s']:g}"
+    elif plan.assumed:
+        rate, how = plan.assumed["rate"], f"the assumed {plan.assumed['rate']:,.0f} tokens/s"
     else:
-        out["generation"] = (None, server_held, "set plan.generate_tokens_per_s, or wait for a finished trace shard")
-    extract_gpus = server_held if config["hidden"]["backend"] == "vllm" else stage_gpus(config, "hidden", has_gpu)
-    if p["extract_tokens_per_s"] and plan.state_tokens:
-        out["extraction"] = (p["server_start_s"] + plan.state_tokens / p["extract_tokens_per_s"], extract_gpus,
-                             f"plan.extract_tokens_per_s {p['extract_tokens_per_s']:g}")
-    else:
-        out["extraction"] = (None, extract_gpus, "set plan.extract_tokens_per_s")
-    train_gpus = stage_gpus(config, "train", has_gpu)
-    t = config["train"]
-    if p["train_tokens_per_s"] and plan.state_tokens:
-        tokens, procs = plan.state_tokens * t["epochs"], t["nproc"] or max(1, train_gpus)  # one process a GPU
-        out["training"] = (tokens / (p["train_tokens_per_s"] * procs), train_gpus,
-                           f"{t['epochs']:g} epoch(s) at plan.train_tokens_per_s {p['train_tokens_per_s']:g} a process "
-                           f"x {procs}"
-                           + (" (train.max_steps may stop it sooner)" if t["max_steps"] else ""))
-    else:
-        out["training"] = (None, train_gpus, "set plan.train_tokens_per_s")
-    if config["hidden"]["mode"] == "stream":  # the extraction server serves training: held as long as it runs
-        out["extraction"] = (out["training"][0], extract_gpus, "hidden.mode stream: the extraction server is held while "
-                             "training runs (its time is training's)")
-    v, validate_gpus = plan.validation, stage_gpus(config, "validate", has_gpu)
+        return Stage(None, held, f"set plan.generate_tokens_per_s ({no_assumed_rate(config, plan, has_gpu)}), or "
+                     "wait for a finished trace shard")
+    if plan.generated_tokens is None:
+        return Stage(None, held, "the prompts are unknown: set dataset.limit")
+    return Stage(p["server_start_s"] + plan.generated_tokens / (rate * s["replicas"]), held,
+                 f"{plan.generated_tokens:,} tokens at {how} a replica x {s['replicas']}, after one start")
+
+
+def no_assumed_rate(config: dict, plan: Plan, has_gpu: bool) -> str:
+    """Why the plan assumes no generation rate (assumed_generation gave none), in words."""
+    if plan.weights_bytes is None:
+        return "or plan.weights_gb for an assumed one"
+    if config["server"]["mode"] == "external":
+        return "no rate is assumed for external servers"
+    return "no rate is assumed for vLLM on this machine's CPU"
+
+
+def training_stage(config: dict, plan: Plan, has_gpu: bool) -> Stage:
+    """train_draft: every epoch's tokens at plan.train_tokens_per_s a process; in stream mode no faster than the
+    one extraction server computes them (plan.extract_tokens_per_s, where set)."""
+    p, t = config["plan"], config["train"]
+    gpus = stage_gpus(config, "train", has_gpu)
+    if not (p["train_tokens_per_s"] and plan.state_tokens):
+        return Stage(None, gpus, "set plan.train_tokens_per_s")
+    tokens, procs = plan.state_tokens * t["epochs"], t["nproc"] or max(1, gpus)  # one process a GPU
+    seconds = tokens / (p["train_tokens_per_s"] * procs)
+    how = f"{t['epochs']:g} epoch(s) at plan.train_tokens_per_s {p['train_tokens_per_s']:g} a process x {procs}"
+    extract = p["extract_tokens_per_s"]
+    if config["hidden"]["mode"] == "stream" and extract and tokens / extract > seconds:
+        seconds, how = tokens / extract, how + f", held back to the extraction server's plan.extract_tokens_per_s {extract:g}"
+    return Stage(seconds, gpus, how + (" (train.max_steps may stop it sooner)" if t["max_steps"] else ""))
+
+
+def extraction_stage(config: dict, plan: Plan, has_gpu: bool, training: Stage) -> Stage:
+    """Files mode: every state token at plan.extract_tokens_per_s a server (each replica, vLLM backend), after one
+    start. Stream mode: one extraction server, held from its start until training ends; only its start adds to
+    the wall time."""
+    p, h, s = config["plan"], config["hidden"], config["server"]
+    if h["mode"] == "stream":
+        held = None if training.seconds is None else p["server_start_s"] + training.seconds
+        return Stage(held, server_gpus(config), "hidden.mode stream: one extraction server, its start and then "
+                     "held while training runs", overlap_s=training.seconds or 0.0)
+    servers = s["replicas"] if h["backend"] == "vllm" else 1
+    gpus = servers * server_gpus(config) if h["backend"] == "vllm" else stage_gpus(config, "hidden", has_gpu)
+    rate = p["extract_tokens_per_s"]
+    if not (rate and plan.state_tokens):
+        return Stage(None, gpus, "set plan.extract_tokens_per_s")
+    return Stage(p["server_start_s"] + plan.state_tokens / (rate * servers), gpus,
+                 f"plan.extract_tokens_per_s {rate:g} a server x {servers}, after one start")
+
+
+def validation_stage(config: dict, plan: Plan, has_gpu: bool) -> Stage:
+    """validate_draft and the learning curve's starts (validation_time), on validate.gpus."""
+    v, gpus = plan.validation, stage_gpus(config, "validate", has_gpu)
     curve = v["per_point_s"] * v["curve_points"] if v and v.get("per_point_s") is not None else None
     seconds = v["seconds"] + (curve or 0) if v and v["seconds"] else None
-    out["validation"] = (seconds, validate_gpus, "the validation time and the learning curve's starts above"
-                         if seconds else "set plan.decode_tokens_per_s")
-    return out
+    return Stage(seconds, gpus, "the validation time and the learning curve's starts above" if seconds
+                 else "set plan.decode_tokens_per_s")
 
 
 def stage_plan(config: dict, has_gpu: bool) -> dict:
     """What each stage holds, in words: servers (replicas x GPUs, SLURM jobs) and the rules' GPUs."""
     s, h = config["server"], config["hidden"]
 
-    def servers(what):
-        per, n = server_gpus(config), s["replicas"]
+    def servers(what, n):
+        per = server_gpus(config)
         if s["mode"] == "external":
             return f"{len(s['urls'])} external {what}(s) at server.urls, none started here"
         where = "SLURM job" if s["mode"] == "slurm" else "local " + what
         cpu = "" if has_gpu or s["mode"] == "slurm" else " (no GPU on this machine: vLLM runs on its CPU)"
         return f"{n} {where}(s) x {gpus_text(per)} = {gpus_text(n * per)}{cpu}"
 
-    extraction = (servers("extraction server") if h["backend"] == "vllm" else
-                  f"{gpus_text(stage_gpus(config, 'hidden', has_gpu))} per extract_hidden job (transformers)")
-    return {"generate_traces": servers("server"), "extract_hidden": extraction,
+    if h["backend"] != "vllm":
+        extraction = f"{gpus_text(stage_gpus(config, 'hidden', has_gpu))} per extract_hidden job (transformers)"
+    elif h["mode"] == "stream":  # states/extract.py: stream mode reads from one server, whatever server.replicas
+        extraction = servers("extraction server", 1) + ", while train_draft runs (hidden.mode stream: one server)"
+    else:
+        extraction = servers("extraction server", s["replicas"])
+    return {"generate_traces": servers("server", s["replicas"]), "extract_hidden": extraction,
             "train_draft": gpus_text(stage_gpus(config, 'train', has_gpu)),
             "validate_draft": f"{gpus_text(stage_gpus(config, 'validate', has_gpu))} (one server at a time)"}
 
@@ -351,41 +500,91 @@ def format_plan(p: Plan) -> str:
                                                f"{human_bytes(p.files_bytes)}" if p.suggest_stream else ""))
     lines.append(f"  replicas: {p.replicas} (server.replicas, server.mode {p.server_mode})")
     lines += [f"  GPUs, {stage}: {what}" for stage, what in p.gpus.items()]
-    if p.measured:
-        m = p.measured
-        lines.append(f"  generation so far: {m['done']:,} traces at {m['rate']:.2f} requests/s; the rest "
-                     f"about {human_seconds(m['remaining_s'])} at that rate")
-    else:
-        lines.append("  generation time: projected once a trace shard has finished")
-    v = p.validation
-    if v:
-        what = (f"{v['starts']} server starts x {v['tokens_per_start']:,} tokens one request at a time "
-                f"(at most validate.max_tokens {v['max_tokens']:,} an answer)")
-        if v["seconds"]:
-            lines.append(f"  validation time: about {human_seconds(v['seconds'])}: {what}, each start "
-                         f"{human_seconds(v['per_start_s'])} at plan.decode_tokens_per_s {v['rate']:g}")
-        elif v["unknown_sets"]:
-            lines.append(f"  validation time: unknown (the size of {', '.join(v['unknown_sets'])}: set its limit "
-                         f"or validate.matrix_prompts); {what.replace(' x ', ' x at least ')}")
-        else:
-            lines.append(f"  validation time: {what}; set plan.decode_tokens_per_s for the hours")
-        if v["curve_points"]:
-            each = f", about {human_seconds(v['per_point_s'])} each" if v["per_point_s"] else ""
-            lines.append(f"  learning curve: {v['curve_points']} more server start(s) (train.snapshots, rule curve_point: "
-                         f"the held-out set once at validate.concurrency){each}")
-    if p.stages:
-        known = [(sec, gpus) for sec, gpus, _ in p.stages.values() if sec is not None]
-        overlap = p.stages["extraction"][0] if p.mode == "stream" and p.stages["extraction"][0] else 0
-        for stage, (sec, gpus, how) in p.stages.items():
-            hours = f"about {human_seconds(sec)}, {sec * gpus / 3600:,.1f} GPU-hours ({gpus_text(gpus)})" if sec is not None \
-                else f"not estimated ({gpus_text(gpus)})"
-            lines.append(f"  time, {stage}: {hours}: {how}")
-        if len(known) == len(p.stages):
-            lines.append(f"  time, all stages: about {human_seconds(sum(s for s, _ in known) - overlap)}, "
-                         f"{sum(s * g for s, g in known) / 3600:,.1f} GPU-hours (upper bounds; the stages run one after "
-                         "another" + (", extraction during training)" if overlap else ")"))
+    lines += generation_lines(p) + validation_lines(p.validation) + stage_lines(p)
     lines += [f"  skipped check: {note}" for note in p.skipped]
     return "\n".join(lines)
+
+
+def generation_lines(p: Plan) -> list[str]:
+    """The measured trace rate once a shard has finished, else the assumed one where no rate is stated."""
+    if p.measured:
+        m = p.measured
+        return [f"  generation so far: {m['done']:,} traces at {m['rate']:.2f} requests/s; the rest "
+                f"about {human_seconds(m['remaining_s'])} at that rate"]
+    if not p.assumed:
+        return []
+    a = p.assumed
+    return [f"  generation rate, assumed: {a['rate']:,.0f} tokens/s a replica: {a['in_flight']:g} requests in flight, "
+            f"a decode step of {a['step_s'] * 1000:,.0f} ms ({STEP_PER_WEIGHT_READ} x one read of "
+            f"{human_bytes(p.weights_bytes)} of weights from {p.weights_source} at {a['gpus']} x {a['kind']}'s "
+            f"{GPU_KINDS[a['kind']][1]:g} TB/s, the GPU as {a['kind_source']}; at least {MIN_STEP_S * 1000:g} ms); "
+            "a rough guess: set plan.generate_tokens_per_s to your server's (a finished trace shard's rate replaces it)"]
+
+
+def validation_lines(v: dict | None) -> list[str]:
+    """Validation's server starts and tokens, its time where plan.decode_tokens_per_s is set, and the curve's starts."""
+    if not v:
+        return []
+    what = (f"{v['starts']} server starts x {v['tokens_per_start']:,} tokens one request at a time "
+            f"(at most validate.max_tokens {v['max_tokens']:,} an answer)")
+    if v["seconds"]:
+        lines = [f"  validation time: about {human_seconds(v['seconds'])}: {what}, each start "
+                 f"{human_seconds(v['per_start_s'])} at plan.decode_tokens_per_s {v['rate']:g}"]
+    elif v["unknown_sets"]:
+        lines = [f"  validation time: unknown (the size of {', '.join(v['unknown_sets'])}: set its limit "
+                 f"or validate.matrix_prompts); {what.replace(' x ', ' x at least ')}"]
+    else:
+        lines = [f"  validation time: {what}; set plan.decode_tokens_per_s for the hours"]
+    if v["curve_points"]:
+        each = f", about {human_seconds(v['per_point_s'])} each" if v["per_point_s"] else ""
+        lines.append(f"  learning curve: {v['curve_points']} more server start(s) (train.snapshots, rule curve_point: "
+                     f"the held-out set once at validate.concurrency){each}")
+    return lines
+
+
+def stage_lines(p: Plan) -> list[str]:
+    """Each stage's time and GPU-hours, then the total."""
+    lines = []
+    for stage, st in p.stages.items():
+        if st.seconds is None:
+            lines.append(f"  time, {stage}: not estimated ({gpus_text(st.gpus)}): {st.how}")
+            continue
+        wall = f" (adds {human_seconds(st.wall_s)} to the wall time)" if st.overlap_s else ""
+        lines.append(f"  time, {stage}: about {human_seconds(st.seconds)}{wall}, {gpu_hours(st):,.1f} GPU-hours "
+                     f"({gpus_text(st.gpus)}): {st.how}")
+    return lines + ([total_line(p)] if p.stages else [])
+
+
+def gpu_hours(st: Stage) -> float:
+    return st.seconds * st.gpus / 3600
+
+
+def total_line(p: Plan) -> str:
+    """The run's wall time and GPU-hours (every stage's, stream mode's extraction counted while training runs)
+    and its peak disk: the target's weights, the traces and the hidden states at their largest."""
+    unknown = [stage for stage, st in p.stages.items() if st.seconds is None]
+    if unknown:
+        time = f"wall time and GPU-hours not estimated (no time for {', '.join(unknown)})"
+    else:
+        overlap = ", extraction during training" if any(st.overlap_s for st in p.stages.values()) else ""
+        time = (f"about {human_seconds(sum(st.wall_s for st in p.stages.values()))} wall time, "
+                f"{sum(gpu_hours(st) for st in p.stages.values()):,.1f} GPU-hours (upper bounds on the tokens; the stages "
+                f"one after another{overlap})")
+    parts = disk_parts(p)
+    peak = sum(b for _, b, _ in parts if b is not None)
+    bound = "about" if all(b is not None for _, b, _ in parts) else "at least"
+    what = ", ".join(f"{name} {human_bytes(b) if b is not None else 'unknown'} ({how})" for name, b, how in parts)
+    return f"  total: {time}; peak disk {bound} {human_bytes(peak)}: {what}; free here: {human_bytes(p.free_bytes)}"
+
+
+def disk_parts(p: Plan) -> list[tuple[str, int | None, str]]:
+    """What the run holds on disk at its peak, during training: (name, bytes or None, whence)."""
+    traces = p.state_tokens * TRACE_BYTES_PER_TOKEN if p.state_tokens is not None else None
+    hidden = ((p.files_bytes, "files mode's shards") if p.mode == "files" else
+              (p.stream_bytes, "stream mode: hidden.stream.max_disk_gb"))
+    return [("the target's weights", p.weights_bytes, p.weights_source),
+            ("traces", traces, f"about {TRACE_BYTES_PER_TOKEN} B a token" if traces is not None else "the prompts are unknown"),
+            ("hidden states", *hidden)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,12 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 LIMITED = [p for p in PRESETS if (yaml.safe_load(p.read_text())["dataset"] or {}).get("limit")]
 
 
+@pytest.fixture(autouse=True)
+def empty_hf_cache(tmp_path_factory, monkeypatch):
+    """No model of this machine's Hugging Face cache stands in for the presets' plan.weights_gb and hidden_size."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path_factory.mktemp("empty_hub")))
+
+
 def preset(name: str) -> dict:
     return validate_config(yaml.safe_load((ROOT / "configs" / name).read_text()))
 
@@ -70,11 +76,11 @@ def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_p
 
 
 def test_replicas_and_the_gpus_each_stage_holds(tmp_path):
-    slurm = preset("kimi-k2.5-int4.slurm.yaml")
+    slurm = changed(preset("kimi-k2.5-int4.slurm.yaml"), "hidden", "mode", "files")
     slurm["server"]["replicas"] = 4
     gpus = make_plan(slurm, tmp_path, has_gpu=False).gpus
     assert gpus["generate_traces"] == "4 SLURM job(s) x 8 GPUs = 32 GPUs"
-    assert gpus["extract_hidden"] == gpus["generate_traces"]
+    assert gpus["extract_hidden"] == gpus["generate_traces"]  # files mode: every replica extracts
     assert gpus["train_draft"] == "1 GPU" and gpus["validate_draft"].startswith("8 GPUs")
     llama = preset("llama-3.1-8b-instruct.yaml")
     llama["server"]["replicas"] = 8
@@ -114,14 +120,16 @@ def test_gzipped_datasets_are_counted_and_stats_of_another_column_mapping_are_no
 
 
 def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys):
-    config = validate_config({"dataset": {"limit": 600}, "plan": {"hidden_size": 128}})
-    assert "projected once a trace shard has finished" in format_plan(make_plan(config, tmp_path))
+    """The measured rate wins over plan.generate_tokens_per_s (and over an assumed rate)."""
+    config = validate_config({"dataset": {"limit": 600}, "plan": {"hidden_size": 128, "generate_tokens_per_s": 1.0}})
+    assert "generation so far" not in format_plan(make_plan(config, tmp_path, has_gpu=True))
     (tmp_path / "traces").mkdir()
     shard = {"records": 300, "completed": 300, "wall_s": 60.0}
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(config)}))
-    plan = make_plan(config, tmp_path)
+    plan = make_plan(config, tmp_path, has_gpu=True)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
     assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
+    assert plan.stages["generation"].seconds == 60.0 and "measured" in plan.stages["generation"].how
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"dataset": {"limit": 600, "path": str(ROOT / "toy/prompts.jsonl")},
                                                        "server": {"model": str(ROOT / "toy/target"), "max_model_len": 512},
                                                        "generation": {"max_tokens": 256}, "hidden": {"max_length": 512},
@@ -166,33 +174,148 @@ def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path)
     assert plan.prompts == 49000 and plan.measured["done"] == 300
 
 
-def test_each_stage_has_a_time_and_gpu_hours_from_the_stated_rates(tmp_path):
-    """Files mode, 100 prompts of at most 64 answer tokens, a 2-GPU server: generation 100 x 64 / 32 tok/s =
-    200 s on 2 GPUs; extraction (vLLM backend) one start + state tokens / rate on the server's GPUs; training
-    epochs x state tokens / rate on its GPU; validation from decode_tokens_per_s. In stream mode extraction holds
-    its server while training runs, and the total does not count that time twice."""
-    config = preset("llama-3.1-8b-instruct.yaml")
-    for section, key, value in (("dataset", "limit", 100), ("generation", "max_tokens", 64), ("hidden", "mode", "files"),
-                                ("server", "tensor_parallel_size", 2), ("plan", "generate_tokens_per_s", 32.0),
-                                ("plan", "extract_tokens_per_s", 1000.0), ("plan", "train_tokens_per_s", 500.0),
-                                ("train", "epochs", 2), ("train", "gpus", 1), ("validate", "gpus", 2)):
+def stated(config: dict, *settings) -> dict:
+    for section, key, value in settings:
         config = changed(config, section, key, value)
+    return config
+
+
+def rated_llama() -> dict:
+    """Files mode, 100 prompts of at most 64 answer tokens, a 2-GPU server, every rate stated."""
+    return stated(preset("llama-3.1-8b-instruct.yaml"),
+                  ("dataset", "limit", 100), ("generation", "max_tokens", 64), ("hidden", "mode", "files"),
+                  ("server", "tensor_parallel_size", 2), ("plan", "generate_tokens_per_s", 32.0),
+                  ("plan", "extract_tokens_per_s", 1000.0), ("plan", "train_tokens_per_s", 500.0),
+                  ("train", "epochs", 2), ("train", "gpus", 1), ("validate", "gpus", 2))
+
+
+def test_each_stage_has_a_time_and_gpu_hours_from_the_stated_rates(tmp_path):
+    """Generation one start + 100 x 64 / 32 tok/s on 2 GPUs; extraction (vLLM backend) one start + state tokens /
+    rate on the server's GPUs; training epochs x state tokens / rate on its GPU; validation from decode_tokens_per_s."""
+    config = rated_llama()
+    start = config["plan"]["server_start_s"]
     plan = make_plan(config, tmp_path, has_gpu=True)
     st = plan.stages
-    assert st["generation"][:2] == (100 * 64 / 32.0, 2)
-    assert st["extraction"][:2] == (config["plan"]["server_start_s"] + plan.state_tokens / 1000.0, 2)
+    assert st["generation"][:2] == (start + 100 * 64 / 32.0, 2) and plan.assumed is None
+    assert st["extraction"][:2] == (start + plan.state_tokens / 1000.0, 2)
     assert st["training"][:2] == (2 * plan.state_tokens / 500.0, 1)
     two = make_plan(changed(config, "train", "gpus", 2), tmp_path, has_gpu=True).stages["training"]
     assert two[:2] == (2 * plan.state_tokens / (500.0 * 2), 2), "one process a GPU: half the time, the same GPU-hours"
     assert st["validation"][1] == 2 and st["validation"][0] > plan.validation["seconds"]  # the curve's starts added
     text = format_plan(plan)
-    gpu_hours = sum(s * g for s, g, _ in st.values()) / 3600
-    assert "time, generation: about" in text and f"{gpu_hours:,.1f} GPU-hours" in text, text
-    stream = make_plan(changed(config, "hidden", "mode", "stream"), tmp_path, has_gpu=True)
-    assert stream.stages["extraction"][0] == stream.stages["training"][0]
-    total = sum(s for s, _, _ in stream.stages.values()) - stream.stages["extraction"][0]
-    from eaglenest.plan import human_seconds
-    assert f"time, all stages: about {human_seconds(total)}" in format_plan(stream)
+    assert "time, generation: about" in text and "plan.generate_tokens_per_s 32 a replica x 1" in text
     unknown = make_plan(changed(config, "plan", "train_tokens_per_s", None), tmp_path, has_gpu=True)
     assert "time, training: not estimated (1 GPU): set plan.train_tokens_per_s" in format_plan(unknown)
-    assert "time, all stages" not in format_plan(unknown)
+    assert "total: wall time and GPU-hours not estimated (no time for training)" in format_plan(unknown)
+
+
+def test_generation_time_from_plan_generate_tokens_per_s_shares_the_tokens_among_the_replicas(tmp_path):
+    config = rated_llama()
+    start, tokens = config["plan"]["server_start_s"], 100 * 64
+    one = make_plan(config, tmp_path, has_gpu=True).stages["generation"]
+    four = make_plan(changed(config, "server", "replicas", 4), tmp_path, has_gpu=True).stages["generation"]
+    assert one.seconds == start + tokens / 32.0 and one.gpus == 2
+    assert four.seconds == start + tokens / (32.0 * 4) and four.gpus == 8
+    assert "generation rate, assumed" not in format_plan(make_plan(config, tmp_path, has_gpu=True))
+
+
+def test_without_a_stated_rate_generation_assumes_one_from_the_gpu_kind_and_the_weights(tmp_path):
+    """The Llama SLURM preset: 79.6 GiB GPUs (an H100, 3.35 TB/s), 16.1 GB of weights (plan.weights_gb), 200 in
+    flight: a decode step of 10 x 16.1e9 / 3.35e12 s = 48 ms, so 200 / 0.048 = 4,161 tokens/s, said to be assumed."""
+    config = preset("llama-3.1-8b-instruct.slurm.yaml")
+    assert config["plan"]["generate_tokens_per_s"] is None and config["plan"]["weights_gb"] == 16.1
+    plan = make_plan(config, tmp_path, has_gpu=False)
+    step = 10 * 16.1e9 / 3.35e12
+    assert plan.assumed["kind"] == "H100" and plan.assumed["rate"] == pytest.approx(200 / step)
+    gen = plan.stages["generation"]
+    assert gen.seconds == pytest.approx(config["plan"]["server_start_s"] + plan.generated_tokens * step / 200)
+    text = format_plan(plan)
+    assert "generation rate, assumed: 4,161 tokens/s a replica: 200 requests in flight, a decode step of 48 ms" in text
+    assert "1 x H100's 3.35 TB/s" in text and "set plan.generate_tokens_per_s" in text
+    assert "time, generation: about 5.5 h, 5.5 GPU-hours (1 GPU): 81,920,000 tokens at the assumed 4,161" in text
+    # an H200 (140.4 GiB) reads the weights 4.8 / 3.35 times as fast; two replicas share the 200 requests
+    h200 = make_plan(stated(config, ("hidden", "vllm", {**config["hidden"]["vllm"], "gpu_memory_gib": 140.4})),
+                     tmp_path, has_gpu=False).assumed
+    assert h200["kind"] == "H200" and h200["rate"] == pytest.approx(plan.assumed["rate"] * 4.8 / 3.35)
+    two = make_plan(changed(config, "server", "replicas", 2), tmp_path, has_gpu=False)
+    assert two.assumed["in_flight"] == 100 and two.stages["generation"].seconds == pytest.approx(gen.seconds)
+    # a small model's step is no shorter than vLLM's own overhead
+    tiny = make_plan(changed(config, "plan", "weights_gb", 0.1), tmp_path, has_gpu=False).assumed
+    assert tiny["step_s"] == 0.02 and tiny["rate"] == 200 / 0.02
+
+
+def test_no_generation_rate_is_assumed_without_the_weights_size_or_a_gpu(tmp_path):
+    config = changed(preset("llama-3.1-8b-instruct.slurm.yaml"), "plan", "weights_gb", None)
+    plan = make_plan(config, tmp_path, has_gpu=False)
+    assert plan.assumed is None and plan.weights_bytes is None and plan.stages["generation"].seconds is None
+    text = format_plan(plan)
+    assert "set plan.generate_tokens_per_s (or plan.weights_gb for an assumed one)" in text
+    assert "the target's weights unknown (meta-llama/Llama-3.1-8B-Instruct is not here" in text
+    toy = validate_config({"dataset": {"limit": 600}})  # the toy target: a local directory, served on this CPU
+    plan = make_plan(toy, tmp_path, has_gpu=False)
+    assert plan.weights_bytes and plan.assumed is None
+    assert "no rate is assumed for vLLM on this machine's CPU" in format_plan(plan)
+
+
+def test_the_targets_weights_come_from_its_directory_or_the_hf_cache_before_plan_weights_gb(tmp_path, monkeypatch):
+    from eaglenest.plan import target_weights
+
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"x" * 1000)
+    (target / "sub" / "tokenizer.json").write_bytes(b"x" * 24)
+    config = validate_config({"server": {"model": str(target)}, "plan": {"weights_gb": 5.0}})
+    assert target_weights(config) == (1024, f"{target}'s files")
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--big" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 7 * 10**9}}))
+    (cache / "models--org--big" / "refs").mkdir()
+    (cache / "models--org--big" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    config["server"]["model"] = "org/big"
+    assert target_weights(config) == (7 * 10**9, "org/big's model.safetensors.index.json in the Hugging Face cache")
+    config["server"]["model"] = "org/not-cached"
+    assert target_weights(config) == (5 * 10**9, "plan.weights_gb")
+
+
+def test_the_total_adds_the_stages_wall_time_gpu_hours_and_the_peak_disk_with_the_model(tmp_path):
+    """Files mode: wall time is every stage's, one after another; GPU-hours each stage's seconds x GPUs; the peak
+    disk the target's weights (plan.weights_gb 16.1 GB, the hub name not being here) + the traces (12 B a state
+    token) + the shards."""
+    from eaglenest.plan import human_bytes, human_seconds
+
+    plan = make_plan(rated_llama(), tmp_path, has_gpu=True)
+    st = plan.stages
+    wall = sum(s.seconds for s in st.values())
+    gpu_hours = sum(s.seconds * s.gpus for s in st.values()) / 3600
+    peak = int(16.1e9) + plan.state_tokens * 12 + plan.files_bytes
+    text = format_plan(plan)
+    assert (f"total: about {human_seconds(wall)} wall time, {gpu_hours:,.1f} GPU-hours (upper bounds on the tokens; the stages one after another); "
+            f"peak disk about {human_bytes(peak)}: the target's weights 16.1 GB (plan.weights_gb), ") in text, text
+    assert f"hidden states {human_bytes(plan.files_bytes)} (files mode's shards)" in text
+
+
+def test_stream_mode_runs_one_extraction_server_during_training(tmp_path):
+    """hidden.mode stream with server.replicas 8: one extraction server job (not 8), held from its start until
+    training ends; it adds only its start to the wall time, its GPUs x that time to the GPU-hours; the peak disk
+    counts hidden.stream.max_disk_gb for the states. An extraction slower than training holds training back."""
+    from eaglenest.plan import human_bytes, human_seconds
+
+    config = stated(preset("kimi-k2.5-int4.slurm.yaml"), ("server", "replicas", 8),
+                    ("plan", "generate_tokens_per_s", 1000.0))
+    plan = make_plan(config, tmp_path, has_gpu=False)
+    assert plan.gpus["generate_traces"] == "8 SLURM job(s) x 8 GPUs = 64 GPUs"
+    assert plan.gpus["extract_hidden"].startswith("1 SLURM job(s) x 8 GPUs = 8 GPUs, while train_draft runs")
+    st, start = plan.stages, config["plan"]["server_start_s"]
+    assert st["extraction"].gpus == 8 and st["extraction"].seconds == start + st["training"].seconds
+    assert st["extraction"].wall_s == start
+    wall = st["generation"].seconds + start + st["training"].seconds + st["validation"].seconds
+    gpu_hours = sum(s.seconds * s.gpus for s in st.values()) / 3600
+    peak = int(595e9) + plan.state_tokens * 12 + int(200e9)
+    text = format_plan(plan)
+    assert (f"total: about {human_seconds(wall)} wall time, {gpu_hours:,.1f} GPU-hours (upper bounds on the tokens; the stages one after another, "
+            f"extraction during training); peak disk about {human_bytes(peak)}") in text, text
+    assert f"time, extraction: about {human_seconds(st['extraction'].seconds)} (adds {human_seconds(start)}" in text
+    slow = make_plan(changed(config, "plan", "extract_tokens_per_s", 1000.0), tmp_path, has_gpu=False).stages
+    assert slow["training"].seconds == 2 * plan.state_tokens / 1000.0 and "held back" in slow["training"].how
