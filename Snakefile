@@ -15,6 +15,7 @@ if not workflow.overwrite_configfiles:
 
 
 include: "rules/common.smk"
+include: "rules/fetch.smk"
 include: "rules/target.smk"
 include: "rules/prompts.smk"
 include: "rules/server.smk"

@@ -24,8 +24,8 @@ from eaglenest.plan import format_plan, make_plan, stage_gpus, validation_refusa
 from eaglenest.checks import check_config
 from eaglenest.gguf import converted_dir, is_gguf
 from eaglenest.data.prompts import QUESTIONS_FILE
-from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
-                                QuestionSettings, TrainSettings, ValidateSettings)
+from eaglenest.settings import (DraftSettings, ExportSettings, FetchSettings, GenerationSettings, HiddenSettings,
+                                PromptSettings, QuestionSettings, TrainSettings, ValidateSettings)
 
 # What the config was read from: the --configfile files, else the embedded default (see the Snakefile).
 CONFIG_SOURCES = [str(f) for f in workflow.configfiles] or ["config.yaml"]
@@ -78,6 +78,7 @@ DRAFT = DraftSettings.from_config(config)
 TRAIN = TrainSettings.from_config(config)
 VALIDATE = ValidateSettings.from_config(config)
 EXPORT = ExportSettings.from_config(config)
+FETCH = FetchSettings.from_config(config)
 SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 # hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and

@@ -42,7 +42,7 @@ def test_the_embedded_default_dry_runs_in_another_directory_with_its_outputs_the
     resolved = (wd / "logs/config.resolved.yaml").read_text()  # ... and in the resolved config
     assert f"# validate.datasets[0].path toy/eval_prompts.jsonl: not in the working directory {wd}" in resolved
     assert yaml.safe_load(resolved)["dataset"]["path"] == str(ROOT / "toy/prompts.jsonl")
-    assert {"prepare_prompts", "validate_draft"} <= rules_run(out)
+    assert {"fetch_inputs", "prepare_prompts", "validate_draft"} <= rules_run(out)
 
 
 def test_two_configs_run_side_by_side_without_mixing_outputs(tmp_path):
