@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .data.prompts import is_local_dataset
 from .errors import EaglenestError, PromptsError
+from .gguf import MODELS_DIR
 from .serving.settings import looks_like_local_path
 from .settings import FetchSettings
 from .util import say, write_atomic
@@ -63,8 +64,9 @@ def hub_evalsets(settings: FetchSettings) -> list[tuple[str, dict]]:
 
 
 def hub_models(settings: FetchSettings) -> list[str]:
-    """The target's hub names (a local directory or a converted GGUF file needs nothing)."""
-    return [m for m in settings.models if not looks_like_local_path(m)]
+    """The target's hub names: not a local directory, nor the conversion of a GGUF file (models/<name>, which
+    rule convert_target writes in the working directory, so it need not exist yet)."""
+    return [m for m in settings.models if not looks_like_local_path(m) and Path(m).parent != Path(MODELS_DIR)]
 
 
 def fetch_evalset(key: str, spec: dict, cache_dir, online: bool) -> str:

@@ -10,6 +10,10 @@ import sys
 
 import yaml
 
+from eaglenest.config import validate_config
+from eaglenest.fetch import hub_evalsets, hub_models
+from eaglenest.gguf import converted_dir
+from eaglenest.settings import FetchSettings
 from tests.support.config import ROOT
 from tests.support.hub import cache_hub_dataset, cache_hub_model
 from tests.support.workflow import run_snakemake
@@ -77,3 +81,17 @@ def test_a_hub_set_and_target_already_cached_are_found_without_the_hub(tmp_path)
     fetched = json.loads((tmp_path / "data/fetched.json").read_text())["fetched"]
     assert fetched["validate.datasets[0].path (tiny)"].startswith("10 prompts, cached in data/.hf_cache")
     assert fetched["the target Org/Tiny"].endswith("snapshots/" + "0" * 40)
+
+
+def test_only_hub_names_are_fetched_not_local_packaged_or_converted_files(tmp_path, monkeypatch):
+    """The SmolLM2 preset: a GGUF target (converted to models/<name> by rule convert_target, not yet there) and
+    evaluation sets in PyPI packages need nothing from the hub; a hub target and set beside them do."""
+    monkeypatch.chdir(tmp_path)
+    cfg = validate_config(yaml.safe_load((ROOT / "configs/smollm2-135m.yaml").read_text()))
+    cfg["server"]["model"] = converted_dir(cfg["server"]["model"])  # as rules/common.smk rewrites it
+    assert hub_evalsets(FetchSettings.from_config(cfg)) == [] and hub_models(FetchSettings.from_config(cfg)) == []
+    cfg["hidden"]["target"] = "Org/Tiny"
+    cfg["validate"]["datasets"].append({"name": "gsm8k", "path": "openai/gsm8k", "subset": "main", "split": "test"})
+    settings = FetchSettings.from_config(cfg)
+    assert [key for key, _ in hub_evalsets(settings)] == ["validate.datasets[2].path (gsm8k)"]
+    assert hub_models(settings) == ["Org/Tiny"]
