@@ -107,6 +107,36 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
     return resolve_config(config)
 
 
+def file_settings(config: dict):
+    """``(key, holder, name)`` of every setting that names a file or directory, a hub name or a ``pkg:`` file
+    (server.model, hidden.target, dataset.path, validate.datasets[i].path): ``holder[name]`` is its value."""
+    for section, name in (("server", "model"), ("hidden", "target"), ("dataset", "path")):
+        holder = config.get(section)
+        if isinstance(holder, dict) and isinstance(holder.get(name), str):
+            yield f"{section}.{name}", holder, name
+    for i, spec in enumerate((config.get("validate") or {}).get("datasets") or []):
+        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
+            yield f"validate.datasets[{i}].path", spec, "path"
+
+
+def resolve_shipped_paths(config: dict, workdir: str | Path, basedir: str | Path) -> list[str]:
+    """Relative paths resolved as Snakemake resolves a workflow's files: one that exists under ``workdir`` is
+    the user's and stays; one that exists only under ``basedir`` (the workflow's own directory: toy/..., what
+    the embedded default names) becomes that file's absolute path, in place. Returns a note per path changed."""
+    workdir, basedir = Path(workdir).resolve(), Path(basedir).resolve()
+    notes = []
+    if workdir == basedir:
+        return notes
+    for key, holder, name in file_settings(config):
+        value = holder[name]
+        if not value or Path(value).expanduser().is_absolute() or (workdir / value).exists():
+            continue
+        if (basedir / value).exists():
+            holder[name] = str(basedir / value)
+            notes.append(f"{key} {value}: not in the working directory {workdir}, so the workflow's own {holder[name]}")
+    return notes
+
+
 def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
     """validate.temperatures as validation measures them: null is 0 and generation.temperature, each once;
     T=0 always (the headline and the offline check), sorted."""
@@ -114,12 +144,13 @@ def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
     return sorted({float(t) for t in temps} | {0.0})
 
 
-def write_resolved_config(config: dict, path: str | Path, sources=()) -> None:
-    """Write the config a run uses (defaults filled in) as YAML, headed by the files it came from."""
+def write_resolved_config(config: dict, path: str | Path, sources=(), notes=()) -> None:
+    """Write the config a run uses (defaults filled in) as YAML, headed by the files it came from and
+    ``notes`` (e.g. the paths found in the workflow's own directory, ``resolve_shipped_paths``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     head = f"# The resolved config of the last run: {' + '.join(map(str, sources)) or 'no file'}, --config, " \
-           f"then the defaults of schemas/{SCHEMA_PATH.name}.\n"
+           f"then the defaults of schemas/{SCHEMA_PATH.name}.\n" + "".join(f"# {note}\n" for note in notes)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(head + yaml.safe_dump(config, sort_keys=False))
     tmp.replace(path)

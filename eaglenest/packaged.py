@@ -45,11 +45,9 @@ def packaged_file(value: str, key: str) -> str:
 
 def resolve_config(config: dict) -> dict:
     """``config`` with every ``pkg:`` name of the keys that take a file replaced by the file's path (in place)."""
-    for section, key in (("server", "model"), ("hidden", "target"), ("dataset", "path")):
-        value = (config.get(section) or {}).get(key)
-        if is_packaged(value):
-            config[section][key] = packaged_file(value, f"{section}.{key}")
-    for i, spec in enumerate((config.get("validate") or {}).get("datasets") or []):
-        if isinstance(spec, dict) and is_packaged(spec.get("path")):
-            spec["path"] = packaged_file(spec["path"], f"validate.datasets[{i}].path")
+    from .config import file_settings  # config imports this module where it validates
+
+    for key, holder, name in file_settings(config):
+        if is_packaged(holder[name]):
+            holder[name] = packaged_file(holder[name], key)
     return config

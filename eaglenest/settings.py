@@ -307,6 +307,20 @@ class ValidateSettings(Stage):
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
 
 
+def target_models(config: dict) -> list[str]:
+    """Every name the target goes by: the served model and, where it differs, the transformers target."""
+    return sorted({config["server"]["model"], target_model(config)})
+
+
+@dataclass(frozen=True)
+class FetchSettings(Stage):
+    """fetch_inputs: what the jobs read from the Hugging Face hub, fetched before them (eaglenest.fetch)."""
+
+    evalsets: list[dict] = setting("validate.datasets")
+    models: list[str] = setting(target_models, reads=("server.model", "hidden.target"))
+    cache_dir: str | None = setting("dataset.cache_dir", reruns=False)  # where datasets caches, not what it reads
+
+
 @dataclass(frozen=True)
 class ExportSettings(Stage):
     """export_draft: the formats, the model card and the verifier the speculators format names."""

@@ -16,7 +16,7 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
 from eaglenest.states.preflight import preflight_logits_memory
-from eaglenest.config import ConfigError, validate_config, write_resolved_config
+from eaglenest.config import ConfigError, resolve_shipped_paths, validate_config, write_resolved_config
 from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
@@ -24,20 +24,25 @@ from eaglenest.plan import format_plan, make_plan, stage_gpus, validation_refusa
 from eaglenest.checks import check_config
 from eaglenest.gguf import converted_dir, is_gguf
 from eaglenest.data.prompts import QUESTIONS_FILE
-from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
-                                QuestionSettings, TrainSettings, ValidateSettings)
+from eaglenest.settings import (DraftSettings, ExportSettings, FetchSettings, GenerationSettings, HiddenSettings,
+                                PromptSettings, QuestionSettings, TrainSettings, ValidateSettings)
 
-# What the config was read from: config.yaml only when no --configfile was given (see the Snakefile).
-CONFIG_SOURCES = [str(f) for f in workflow.overwrite_configfiles] or ["config.yaml"]
+# What the config was read from: the --configfile files, else the embedded default (see the Snakefile).
+CONFIG_SOURCES = [str(f) for f in workflow.configfiles] or ["config.yaml"]
 try:
     config.update(validate_config(config, source=f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config)"))
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
+# A relative path is the working directory's; one found only in the workflow's own directory (toy/..., the
+# files the embedded default names) is that file, so a run in another directory (--directory) finds them.
+SHIPPED_PATHS = resolve_shipped_paths(config, ".", workflow.basedir)
 RESOLVED_CONFIG = "logs/config.resolved.yaml"
 if workflow.is_main_process:  # not in the jobs Snakemake re-runs this file for (SLURM, --sdm conda)
     # Written on every run, dry-runs included: what the run uses, schema defaults filled in.
-    write_resolved_config(config, RESOLVED_CONFIG, CONFIG_SOURCES)
+    write_resolved_config(config, RESOLVED_CONFIG, CONFIG_SOURCES, notes=SHIPPED_PATHS)
     logger.info(f"eaglenest: config from {' + '.join(CONFIG_SOURCES)} + schema defaults; resolved in {RESOLVED_CONFIG}")
+    for note in SHIPPED_PATHS:
+        logger.info(f"eaglenest: {note}")
 
 # server.model (or hidden.target) a GGUF file: rule convert_target writes its Hugging Face directory under
 # models/, and everything that serves or reads the target uses that directory from here on.
@@ -73,6 +78,7 @@ DRAFT = DraftSettings.from_config(config)
 TRAIN = TrainSettings.from_config(config)
 VALIDATE = ValidateSettings.from_config(config)
 EXPORT = ExportSettings.from_config(config)
+FETCH = FetchSettings.from_config(config)
 SLURM = SlurmSettings.from_dict(config["server"]["slurm"])
 SERVER_LOG_DIR = "logs/server"  # pidfile or SLURM job record, and the server's own log
 # hidden.backend vllm: the extraction server (a second server, same lifecycle, own log dir and

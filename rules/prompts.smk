@@ -22,6 +22,7 @@ rule write_questions:
     input:
         ready="server.ready",
         evalsets=evalset_files(),
+        fetched="data/fetched.json",
     output:
         QUESTIONS_FILE,
     params:

@@ -6,6 +6,7 @@ rule validate_draft:
         checkpoint="draft/checkpoint.safetensors",
         heldout="data/prompts/heldout.jsonl",
         evalsets=evalset_files(),
+        fetched="data/fetched.json",  # hub evaluation sets and the target's tokenizer, in the caches (rule fetch_inputs)
         metrics="draft/train_metrics.csv",
         curve=curve_files(),
         target=target_files(),

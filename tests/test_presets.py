@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.config import defaults, load_schema, validate_config
+from eaglenest.config import defaults, load_schema, resolve_shipped_paths, validate_config
 from eaglenest.errors import ConfigError
 from eaglenest.gguf import is_gguf
 from eaglenest.serving.settings import ServerConfig
@@ -117,12 +117,15 @@ def test_there_are_presets_with_slurm_variants():
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
-def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved):
+def test_a_preset_resolves_to_itself_plus_schema_defaults(path, resolved, tmp_path):
     """No key a preset leaves out comes from config.yaml: it is the schema's default."""
     cfg, out, _ = resolved[path.name]
     preset = yaml.safe_load(path.read_text())
-    assert cfg == validate_config(preset)
+    expected = validate_config(preset)
+    resolve_shipped_paths(expected, tmp_path, ROOT)  # the run's directory, like tmp_path, has no toy/: the checkout's
+    assert cfg == expected
     embedded, schema = yaml.safe_load((ROOT / "config.yaml").read_text()), defaults()
+    resolve_shipped_paths(schema, tmp_path, ROOT)
     for key, value in _leaves(cfg):
         if _get(preset, key) is KeyError:
             assert value == _get(schema, key), f"{'.'.join(key)} is not the schema's default"

@@ -8,12 +8,12 @@ import pytest
 
 from eaglenest.config import MOVED_KEYS, ConfigError, defaults, validate_config
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PromptSettings,
-                                QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
+from eaglenest.settings import (DraftSettings, ExportSettings, FetchSettings, GenerationSettings, HiddenSettings,
+                                PromptSettings, QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
 from eaglenest.states.target import TargetFacts
 
 STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, TrainSettings, ValidateSettings,
-          ExportSettings)
+          ExportSettings, FetchSettings)
 
 
 def _with(changes: dict) -> dict:
@@ -125,6 +125,9 @@ def test_defaults_are_the_schemas(cls):
     (ExportSettings, {}, "export.format", "vllm", False),
     (ExportSettings, {}, "export.license", "mit", True),
     (ExportSettings, {}, "validate.num_speculative_tokens", 2, True),
+    (FetchSettings, {}, "dataset.cache_dir", None, False),
+    (FetchSettings, {}, "hidden.target", "Org/Other", True),
+    (FetchSettings, {}, "validate.datasets", [{"name": "gsm8k", "path": "openai/gsm8k"}], True),
 ])
 def test_a_key_changes_the_fingerprint_exactly_when_it_changes_the_outputs(cls, base, key, value, reruns):
     before = cls.from_config(_with(base))
@@ -197,6 +200,7 @@ def test_draft_kind_reaches_the_draft_and_retrains_it():
     ("eaglenest.validation.curve:measure_point", ValidateSettings),
     ("eaglenest.draft.export:export_draft", ExportSettings),
     ("eaglenest.data.questions:write_questions", QuestionSettings),
+    ("eaglenest.fetch:fetch_inputs", FetchSettings),
 ])
 def test_a_stage_function_takes_its_settings_object_not_keywords_that_repeat_the_schema(fn, cls):
     import importlib

@@ -70,7 +70,8 @@ class SlurmSettings:
 
 def gpu_partition(settings: SlurmSettings) -> str | None:
     """The partition of every GPU job, the servers' and the GPU rules': server.slurm.partition, else
-    $EAGLENEST_GPU_PARTITION; None leaves it to sbatch ($SBATCH_PARTITION, else the cluster's default)."""
+    $EAGLENEST_GPU_PARTITION; None asks for none (``check_gpu_partition`` refuses that while $SBATCH_PARTITION
+    is set, which would take the GPU jobs; else they go to the cluster's default partition)."""
     return settings.partition or os.environ.get("EAGLENEST_GPU_PARTITION") or None
 
 
