@@ -106,6 +106,18 @@ def bytes_per_token(hidden_size, num_aux=3) -> int:
     return (num_aux + 1) * hidden_size * 2 + 8 + 4 + 1
 
 
+# Where stream-mode training keeps its cache of extracted sequences, relative to the working directory (beside
+# train_draft's resumable states); the disk check counts what it holds as the budget's own.
+STREAM_CACHE_DIR = "draft/.train_state/stream_cache"
+
+
+def states_file_bytes(n_tokens, num_layers, hidden_size) -> int:
+    """The most one per-request file of the extraction server takes on disk: ``n_tokens`` x ``num_layers`` (the
+    aux layers and the last) x ``hidden_size`` at up to 4 bytes, and its header. Stream mode's disk budget
+    (hidden.stream.max_disk_gb) must hold at least the longest sequence's (checks.check_stream_disk)."""
+    return n_tokens * num_layers * hidden_size * 4 + 4096
+
+
 def estimate_bytes(num_tokens, num_seqs, hidden_size, num_aux=3) -> int:
     """Bytes on disk of one shard (bytes_per_token a token, int64 offsets, ~header)."""
     return num_tokens * bytes_per_token(hidden_size, num_aux) + (num_seqs + 1) * 8 + 4096
