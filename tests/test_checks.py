@@ -29,11 +29,13 @@ def target(tmp_path: Path, **changes) -> str:
 
 
 def toy_config(model: str, **sections) -> dict:
-    """The embedded default with absolute paths and the given target; ``sections`` update its sections."""
+    """The embedded default with absolute paths, the given target and a stated GPU memory; ``sections`` update its
+    sections."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["dataset"]["path"] = str(ROOT / "toy/prompts.jsonl")
     cfg["validate"]["datasets"][0]["path"] = str(ROOT / "toy/eval_prompts.jsonl")
     cfg["server"]["model"] = model
+    cfg["hidden"].setdefault("vllm", {})["gpu_memory_gib"] = 80  # no nvidia-smi here: the extraction memory is checked
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
@@ -134,7 +136,9 @@ def test_a_target_not_here_skips_its_checks_and_the_plan_says_so(tmp_path):
 
 def test_a_relative_target_and_dataset_are_read_from_the_working_directory(tmp_path):
     (tmp_path / "toy").symlink_to(ROOT / "toy")
-    cfg = validate_config(yaml.safe_load((ROOT / "config.yaml").read_text()))  # toy/target, toy/prompts.jsonl
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())  # toy/target, toy/prompts.jsonl
+    raw["hidden"].setdefault("vllm", {})["gpu_memory_gib"] = 80  # no nvidia-smi here: the extraction memory is checked
+    cfg = validate_config(raw)
     assert check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path) == []
     bad = validate_config({**cfg, "draft": {**cfg["draft"], "vocab_size": 200}})
     with pytest.raises(ConfigError, match="draft.vocab_size 200"):
