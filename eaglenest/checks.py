@@ -1,28 +1,48 @@
-"""Checks of a resolved config against the target and the disk, before any job runs.
+"""Checks of a resolved config against the target, the disk, the GPUs and the cluster, before any job runs.
 
-`check_config` is called where the plan is made: by the workflow at parse time (`snakemake -n` too)
-and by `python -m eaglenest.plan`. Each failure is one line naming the key, its value, the limit and
-what to do; a check that needs the target's config.json (a local directory, the Hugging Face cache, or
-fetched into it from the hub where the hub answers) is skipped without it, and the plan says which were.
+`review_config` runs every check, whatever fails, so all failures are reported together; the workflow calls it
+at parse time (`snakemake -n` too) and `python -m eaglenest.plan` through `check_config`. Each failure is one
+line naming the key, its value, the limit and what to do. A check that needs what is not here (the target's
+config.json, where neither a local directory, the Hugging Face cache nor the hub gives it; sinfo, off a
+cluster; nvidia-smi) is skipped, and the plan says so in one line.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.prompts import is_local_dataset, same_prompts
 from .errors import ConfigError
+from .gpus import GPU_MEMORY_GIB, known_gpu, machine_gpus
+from .plan import human_bytes, server_gpus, stage_gpus, validation_refusal
+from .serving.settings import ServerConfig
+from .serving.slurm import SlurmSettings, check_gpu_partition, partition_nodes, sinfo_nodes, slurm_time_ok
+from .serving.vllm import server_parallel
+from .settings import HiddenSettings
+from .states.preflight import STREAM_CACHE_DIR, preflight_logits_memory, states_file_bytes, target_config
 from .util import is_local_path
 from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
+
+
+@dataclass
+class Review:
+    """What the checks of a config found: the failures (one line each, key, value, limit and fix), the checks
+    that could not run here (one line each, why), and lines for the log of checks that passed."""
+
+    errors: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def add(self, *failures) -> None:
+        self.errors += [f for f in failures if f]
 
 
 def find_target_config(model: str, workdir: Path) -> dict | None:
     """The target's config.json, a directory relative to ``workdir`` or a hub name in the HF cache; a hub name
     not in the cache is fetched into it where the hub answers (``fetch_config``)."""
-    from .states.preflight import target_config
-
     local = workdir / model
     if (local / "config.json").is_file():
         return target_config(str(local))
@@ -39,8 +59,6 @@ def fetch_config(model: str) -> bool:
     """Download a hub target's config.json (one small file) into the Hugging Face cache, so the checks run
     before any job: only where HF_HUB_OFFLINE is unset and the hub answers within HUB_PROBE_S (an offline
     login node costs one failed lookup, not the hub client's minute of retries). False where it could not."""
-    import os
-
     import requests
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
@@ -227,9 +245,6 @@ def check_stream_mode(config: dict) -> list[str]:
 
 def check_logits_room(config: dict) -> tuple[str | None, str]:
     """(failure or None, the log's line) of the extraction server's room for its prompt logits (states.preflight)."""
-    from .settings import HiddenSettings
-    from .states.preflight import preflight_logits_memory
-
     try:
         return None, preflight_logits_memory(config["server"], HiddenSettings.from_config(config))
     except ConfigError as e:
@@ -249,9 +264,6 @@ def check_ttt(config: dict) -> str | None:
 def check_stream_disk(config: dict, plan, workdir: Path) -> list[str]:
     """Stream mode's disk budget: at least one per-request file of the longest sequence (what train_draft checks
     again with the traces' own lengths), and no more than the working directory's disk has free."""
-    from .plan import human_bytes
-    from .states.preflight import STREAM_CACHE_DIR, states_file_bytes
-
     if plan.mode != "stream":
         return []
     errors, budget = [], config["hidden"]["stream"]["max_disk_gb"]
@@ -273,8 +285,7 @@ def check_stream_disk(config: dict, plan, workdir: Path) -> list[str]:
 
 
 def check_slurm_time(config: dict) -> str | None:
-    from .serving.slurm import slurm_time_ok
-
+    """server.slurm.time in a form sbatch takes (serving.slurm.SLURM_TIME): sbatch refuses any other at submission."""
     value = config["server"]["slurm"]["time"]
     if config["server"]["mode"] != "slurm" or slurm_time_ok(value):
         return None
@@ -287,8 +298,6 @@ def check_local_server(config: dict, executor: str | None, sources=()) -> str | 
     """A cluster executor (``executor``: its name; None where jobs run on this machine) with server.mode local would
     run vLLM where Snakemake runs (a login node, on its CPU) and send the GPU rules to the cluster; refused, naming
     the preset that runs the servers as SLURM jobs."""
-    import os
-
     if executor is None or config["server"]["mode"] != "local":
         return None
     stems = [s[: -len(".yaml")] for s in map(str, sources) if s.endswith(".yaml") and not s.endswith(".slurm.yaml")]
@@ -330,8 +339,6 @@ def node_capacity(config: dict, nodes, has_gpu: bool) -> tuple[int | None, str]:
     """(the most GPUs one job may hold, where that figure comes from): under server.mode slurm the GPU partition's
     largest node (sinfo's ``nodes``), else server.slurm.node_gpus; elsewhere this machine's (nvidia-smi). None
     where not known, with why."""
-    from .gpus import machine_gpus
-
     s = config["server"]
     if s["mode"] != "slurm":
         n = machine_gpus() if has_gpu else 0
@@ -348,8 +355,6 @@ def node_capacity(config: dict, nodes, has_gpu: bool) -> tuple[int | None, str]:
 def job_gpus(config: dict, need: int, has_gpu: bool) -> list[tuple[str, str, int]]:
     """``[(what asks, the key to change, GPUs)]`` of what holds GPUs on one node: one server (``need``), the server's job, this
     machine's servers, and the rules' GPUs where set (unset, they follow the server's)."""
-    from .plan import stage_gpus
-
     s = config["server"]
     jobs = [(parallel_text(server_parallel_of(s)), "server.tensor_parallel_size", need)]
     if s["mode"] == "slurm" and s["slurm"]["gpus"] not in (None, need):
@@ -362,17 +367,13 @@ def job_gpus(config: dict, need: int, has_gpu: bool) -> list[tuple[str, str, int
 
 
 def server_parallel_of(server: dict) -> dict:
-    from .serving.settings import ServerConfig
-    from .serving.vllm import server_parallel
-
+    """serving.vllm.server_parallel of the config's server: section."""
     return server_parallel(ServerConfig.from_dict(server))
 
 
 def check_gpu_type(config: dict, nodes, need: int) -> tuple[str | None, str | None]:
     """(failure, skipped note) of the GPU a config was sized for (server.slurm.gpu_type, else the memory
     hidden.vllm.gpu_memory_gib states) against the GPU partition's, from sinfo's gres types and node features."""
-    from .gpus import GPU_MEMORY_GIB, known_gpu
-
     s = config["server"]
     stated, memory = s["slurm"]["gpu_type"], config["hidden"]["vllm"]["gpu_memory_gib"]
     sized = known_gpu(stated) if stated else None
@@ -403,9 +404,6 @@ def check_gpu_type(config: dict, nodes, need: int) -> tuple[str | None, str | No
 def check_gpus(config: dict, has_gpu: bool, review: Review) -> None:
     """The GPU checks: a server's GPUs against its jobs', every job's against a node's, the GPU type; where
     server.mode slurm, the GPU partition itself (serving.slurm.check_gpu_partition)."""
-    from .plan import server_gpus, stage_gpus
-    from .serving.slurm import SlurmSettings, check_gpu_partition, partition_nodes, sinfo_nodes
-
     s = config["server"]
     sizes = server_parallel_of(s)
     need = math.prod(sizes.values())
@@ -429,19 +427,6 @@ def check_gpus(config: dict, has_gpu: bool, review: Review) -> None:
     failure, note = check_gpu_type(config, nodes, need)
     review.add(failure)
     review.skipped += [note] if note else []
-
-
-@dataclass
-class Review:
-    """What the checks of a config found: the failures (one line each, key, value, limit and fix), the checks
-    that could not run here (one line each, why), and lines for the log of checks that passed."""
-
-    errors: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-
-    def add(self, *failures) -> None:
-        self.errors += [f for f in failures if f]
 
 
 def check_target(config: dict, workdir: Path, review: Review) -> dict | None:
@@ -471,8 +456,6 @@ def review_config(config: dict, plan, workdir: str | Path = ".", *, has_gpu: boo
     config (its figures and disk verdict). What Snakemake knows and the library does not: ``has_gpu`` (nvidia-smi
     here), ``executor`` (the cluster executor's name; None where jobs run here), ``validate_minutes`` (the
     profile's runtime of validate_draft) and ``sources`` (the config files)."""
-    from .plan import validation_refusal
-
     workdir, review = Path(workdir), Review()
     check_target(config, workdir, review)
     review.add(*check_datasets(config, workdir))
