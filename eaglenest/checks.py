@@ -22,7 +22,8 @@ from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings, check_gpu_partition, partition_nodes, sinfo_nodes, slurm_time_ok
 from .serving.vllm import server_parallel
 from .settings import HiddenSettings
-from .states.preflight import STREAM_CACHE_DIR, preflight_logits_memory, states_file_bytes, target_config
+from .states.preflight import (STREAM_CACHE_DIR, gpu_memory_gib, preflight_logits_memory, states_file_bytes,
+                               target_config, weights_bytes)
 from .util import is_local_path
 from .vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
 
@@ -343,13 +344,14 @@ def node_capacity(config: dict, nodes, has_gpu: bool) -> tuple[int | None, str]:
     if s["mode"] != "slurm":
         n = machine_gpus() if has_gpu else 0
         return (n, f"this machine's {n} GPUs (nvidia-smi)") if n else (None, "")
-    if nodes:
+    if nodes and any(k.gpus for k in nodes):
         top = max(nodes, key=lambda k: k.gpus)
         return top.gpus, f"a node of partition {top.partition} has at most {top.gpus} (sinfo gres {top.gres})"
     if s["slurm"]["node_gpus"]:
         return s["slurm"]["node_gpus"], f"a node has {s['slurm']['node_gpus']} (server.slurm.node_gpus)"
-    return None, ("GPUs a node has not known: sinfo does not answer here and server.slurm.node_gpus is null; the jobs' "
-                  "GPU counts are not checked against a node")
+    why = "sinfo does not answer here" if nodes is None else "sinfo lists no GPU gres in the GPU partition"
+    return None, (f"GPUs a node has not known: {why} and server.slurm.node_gpus is null; the jobs' GPU counts are "
+                  "not checked against a node")
 
 
 def job_gpus(config: dict, need: int, has_gpu: bool) -> list[tuple[str, str, int]]:
@@ -371,34 +373,74 @@ def server_parallel_of(server: dict) -> dict:
     return server_parallel(ServerConfig.from_dict(server))
 
 
+def partition_gpu(nodes) -> tuple | None:
+    """``(node kind, model, GiB)`` of the GPU partition's largest known GPU (gres type, else node features)."""
+    found = [(k, known_gpu(k.gpu_type) or known_gpu(" ".join(k.features))) for k in nodes or () if k.gpus]
+    found = [(k, *g) for k, g in found if g]
+    return max(found, key=lambda f: f[2]) if found else None
+
+
+def sized_for(config: dict) -> tuple[str, str, float] | None:
+    """``(key and value, GPU, GiB)`` of the GPU a config states it was sized for: server.slurm.gpu_type, else the
+    memory hidden.vllm.gpu_memory_gib states; None where it states neither."""
+    stated, memory = config["server"]["slurm"]["gpu_type"], config["hidden"]["vllm"]["gpu_memory_gib"]
+    gpu = known_gpu(stated) if stated else None
+    if gpu:
+        return f"server.slurm.gpu_type {stated}", *gpu
+    if memory and config["hidden"]["backend"] == "vllm":
+        return f"hidden.vllm.gpu_memory_gib {memory:g}", f"{memory:g} GiB", memory
+    return None
+
+
 def check_gpu_type(config: dict, nodes, need: int) -> tuple[str | None, str | None]:
-    """(failure, skipped note) of the GPU a config was sized for (server.slurm.gpu_type, else the memory
-    hidden.vllm.gpu_memory_gib states) against the GPU partition's, from sinfo's gres types and node features."""
-    s = config["server"]
-    stated, memory = s["slurm"]["gpu_type"], config["hidden"]["vllm"]["gpu_memory_gib"]
-    sized = known_gpu(stated) if stated else None
-    if stated and not sized:
+    """(failure, skipped note) of the GPU a config was sized for (``sized_for``) against the GPU partition's, from
+    sinfo's gres types and node features."""
+    stated = config["server"]["slurm"]["gpu_type"]
+    if stated and not known_gpu(stated):
         return (f"server.slurm.gpu_type {stated!r} is not a GPU eaglenest knows ({', '.join(GPU_MEMORY_GIB)}); name "
                 "one of them, or null", None)
-    if s["mode"] != "slurm" or not (sized or (memory and config["hidden"]["backend"] == "vllm")):
+    sized = sized_for(config)
+    if config["server"]["mode"] != "slurm" or sized is None:
         return None, None
-    key, want = (f"server.slurm.gpu_type {stated}", sized[1]) if sized else \
-        (f"hidden.vllm.gpu_memory_gib {memory:g}", memory)
-    label = sized[0] if sized else f"{memory:g} GiB"
+    key, label, want = sized
     if nodes is None:
-        return None, f"the partition's GPUs not compared with the {label} GPUs this config was sized for ({key}): sinfo does not answer here"
-    found = [(k, known_gpu(k.gpu_type) or known_gpu(" ".join(k.features))) for k in nodes if k.gpus]
-    found = [(k, g) for k, g in found if g]
-    if not found:
+        return None, (f"the partition's GPUs not compared with the {label} GPUs this config was sized for ({key}): "
+                      "sinfo does not answer here")
+    found = partition_gpu(nodes)
+    if found is None:
         gres = ", ".join(sorted({k.gres for k in nodes})) or "none"
         return None, f"the partition's GPU type not known (sinfo gres {gres}): not compared with {key}"
-    kind, (model, gib) = max(found, key=lambda f: f[1][1])
+    kind, model, gib = found
     if gib >= want - 0.5:
         return None, None
     return (f"{key}: this config was sized for {label} GPUs ({want:g} GiB each, {need} a server: {need * want:,.0f} GiB), "
             f"but partition {kind.partition} has {model} ({gib:g} GiB each, sinfo gres {kind.gres}): {need} x {gib:g} "
             f"= {need * gib:,.0f} GiB; send the GPU jobs to {label} GPUs (server.slurm.partition, or --constraint in "
             f"server.slurm.extra_sbatch_args), or use a config sized for {model}", None)
+
+
+def check_weights(config: dict, need: int, nodes) -> tuple[str | None, str | None]:
+    """(failure, skipped note): the target's weights (states.preflight.weights_bytes) within vLLM's share of one
+    server's GPUs, on the partition's GPUs (sinfo), else the GPU the config was sized for, else this machine's."""
+    s = config["server"]
+    found, sized = partition_gpu(nodes), sized_for(config)
+    gib, where = (found[2], f"partition {found[0].partition}'s {found[1]}") if found else \
+        (sized[2], f"{sized[1]}, {sized[0]}") if sized else (gpu_memory_gib(), "this machine's (nvidia-smi)")
+    if not gib or s["mode"] == "external":
+        return None, None
+    model = config["hidden"]["target"] or s["model"]
+    weights = weights_bytes(model)
+    if weights is None:
+        return None, (f"the weights of {model} not compared with its GPUs: no model.safetensors(.index.json) here "
+                      f"(a local directory or the Hugging Face cache; `hf download {model} model.safetensors.index.json`)")
+    share = s["gpu_memory_utilization"] or 0.9
+    room = need * gib * 2**30 * share
+    if weights <= room:
+        return None, None
+    return (f"the weights of {model} ({weights / 1e9:,.0f} GB, its model.safetensors) do not fit one server's "
+            f"{need} GPUs of {gib:g} GiB ({where}) at server.gpu_memory_utilization {share:g}: {need} x {gib:g} GiB x "
+            f"{share:g} = {room / 1e9:,.0f} GB; raise server.tensor_parallel_size (and the GPUs it asks for), or use "
+            "larger GPUs", None)
 
 
 def check_gpus(config: dict, has_gpu: bool, review: Review) -> None:
@@ -424,9 +466,9 @@ def check_gpus(config: dict, has_gpu: bool, review: Review) -> None:
         if n > cap:
             review.add(f"{what} asks for more GPUs than one node has ({source}): a job runs on one node; lower {key} to "
                        f"fit {cap}")
-    failure, note = check_gpu_type(config, nodes, need)
-    review.add(failure)
-    review.skipped += [note] if note else []
+    for failure, note in (check_gpu_type(config, nodes, need), check_weights(config, need, nodes)):
+        review.add(failure)
+        review.skipped += [note] if note else []
 
 
 def check_target(config: dict, workdir: Path, review: Review) -> dict | None:

@@ -31,18 +31,33 @@ def target_config(model: str) -> dict | None:
     $HF_HUB_CACHE; nothing is downloaded), or a GGUF file's metadata; None when none has it."""
     if is_gguf(str(model)) and Path(model).is_file():
         return dict(_gguf_config(str(Path(model).resolve())))
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import try_to_load_from_cache
+    path = target_file(model, "config.json")
+    return json.loads(path.read_text()) if path is not None else None
 
-        try:
-            cached = try_to_load_from_cache(model, "config.json")
-        except ValueError:  # not a repo id either
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    return json.loads(path.read_text())
+
+def target_file(model: str, name: str) -> Path | None:
+    """A file of the target's checkpoint: in its local directory, else in the Hugging Face cache (nothing is
+    downloaded); None where neither has it."""
+    path = Path(model) / name
+    if path.is_file():
+        return path
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, name)
+    except ValueError:  # not a repo id either
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def weights_bytes(model: str) -> int | None:
+    """The target's weights on disk: total_size in its model.safetensors.index.json, else its one
+    model.safetensors file (``target_file``); None where neither is here."""
+    index = target_file(model, "model.safetensors.index.json")
+    if index is not None:
+        return (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+    single = target_file(model, "model.safetensors")
+    return single.stat().st_size if single is not None else None
 
 
 # vLLM makes a request's prompt logits at once, beyond its start-up memory profile (states/extract.py, module docstring):
