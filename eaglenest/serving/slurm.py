@@ -65,6 +65,9 @@ class SlurmSettings:
     mem: str | int | None = schema_field("server.slurm", "mem")        # --mem (e.g. "200G"; an int is MB)
     gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: the GPUs a server uses
     extra_sbatch_args: list[str] = schema_field("server.slurm", "extra_sbatch_args")  # e.g. ["--qos=high"]
+    # What the GPU nodes were sized as, for the checks before any job (eaglenest.checks), never sent to sbatch:
+    gpu_type: str | None = schema_field("server.slurm", "gpu_type")    # the GPU, e.g. H200 (gpus.GPU_MEMORY_GIB)
+    node_gpus: int | None = schema_field("server.slurm", "node_gpus")  # GPUs a node has, where sinfo does not say
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SlurmSettings":
