@@ -14,7 +14,9 @@ import yaml
 from eaglenest.checks import check_config, review_config
 from eaglenest.config import validate_config
 from eaglenest.errors import ConfigError
+from eaglenest.gpus import known_gpu
 from eaglenest.plan import format_plan, make_plan
+from eaglenest.serving.slurm import SlurmSettings, cluster_partitions, partition_nodes, slurm_time_ok
 from eaglenest.settings import PromptSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,3 +381,25 @@ def test_weights_beyond_one_servers_gpus_are_refused_with_the_arithmetic(tmp_pat
     cfg["server"]["slurm"]["gpus"] = 8
     assert not [e for e in review_with_sinfo(cfg, tmp_path, H200_NODES, monkeypatch).errors
                 if e.startswith("the weights of")]
+
+
+@pytest.mark.parametrize("value, ok", [("30", True), ("30:00", True), ("24:00:00", True), ("2-0", True),
+                                       ("2-12:00", True), ("2-00:00:00", True), (90, True), ("UNLIMITED", True),
+                                       ("2 days", False), ("1h", False), ("1:00:00:00", False), ("2-", False), (-5, False)])
+def test_the_slurm_times_sbatch_takes(value, ok):
+    assert slurm_time_ok(value) is ok
+
+
+def test_sinfo_gives_each_partitions_node_kinds_and_a_plain_constraint_picks_among_them(tmp_path, monkeypatch):
+    lines = ["gpu*|gpu:h100:8(S:0-1)|h100,ib", "gpu*|gpu:a100:4,gpu:v100:2|a100&big", "cpu|(null)|(null)"]
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(f"'{line}'" for line in lines) + "\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("EAGLENEST_GPU_PARTITION", raising=False)
+    kinds = partition_nodes(SlurmSettings())  # no partition set: sinfo's default, gpu
+    assert [(k.gpus, k.gpu_type) for k in kinds] == [(8, "h100"), (4, "a100"), (2, "v100")]
+    assert kinds[1].features == ("a100", "big") and partition_nodes(SlurmSettings(partition="cpu"))[0].gpus == 0
+    picked = partition_nodes(SlurmSettings(partition="gpu", extra_sbatch_args=["--constraint=a100"]))
+    assert [k.gpu_type for k in picked] == ["a100", "v100"]
+    assert cluster_partitions() == (["gpu", "cpu"], "gpu")
+    assert known_gpu(kinds[0].gpu_type) == ("H100", 79.6) and known_gpu("nvidia_h200") == ("H200", 140.4)
