@@ -31,10 +31,6 @@ rule all:
     default_target: True
 
 
-onstart:
-    refuse_local_server_on_a_cluster(workflow.executor_plugin)
-
-
 onsuccess:
     stop_server_on_exit("the workflow finished")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -156,3 +157,27 @@ def lock_devices(devices: list[int], locks: Path | None = None) -> list[int]:
             os.close(fd)
         raise
     return fds
+
+
+# One GPU's memory (GiB) as nvidia-smi reports it (memory.total), by model; a variant that differs from its
+# model's usual memory is its own entry. The checks before any job read a partition's GPUs from the names
+# SLURM gives them (gres types such as "h100" or "nvidia_h100_80gb_hbm3", node features) and compare them
+# with the GPU a config was sized for (server.slurm.gpu_type).
+GPU_MEMORY_GIB = {"B200": 179.1, "H200": 140.4, "GH200": 95.6, "H100": 79.6, "H100 NVL": 93.6, "H100 94GB": 93.6,
+                  "A100": 80.0, "A100 40GB": 40.0, "L40S": 45.0, "L40": 45.0, "L4": 22.5, "A10": 22.5, "A10G": 22.5,
+                  "V100": 31.7, "V100 16GB": 15.8}
+
+
+def known_gpu(text: str | None) -> tuple[str, float] | None:
+    """``(model, GiB)`` of the GPU ``text`` names ("H200", "nvidia_h100_80gb_hbm3", "a100-sxm4-40gb"), the most
+    specific entry of GPU_MEMORY_GIB whose words all appear in it; None for a name not there."""
+    words = set(re.split(r"[^a-z0-9]+", (text or "").lower()))
+    for name in sorted(GPU_MEMORY_GIB, key=len, reverse=True):
+        if set(name.lower().split()) <= words:
+            return name, GPU_MEMORY_GIB[name]
+    return None
+
+
+def machine_gpus() -> int:
+    """This machine's NVIDIA GPUs (nvidia-smi); 0 without one."""
+    return len(physical_gpus())

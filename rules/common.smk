@@ -15,13 +15,12 @@ os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (workflow.basedir, os.en
 # setdefault keeps the main process's pid when a job re-reads the Snakefile in a subprocess.
 os.environ.setdefault("EAGLENEST_WORKFLOW_PID", str(os.getpid()))
 
-from eaglenest.states.preflight import preflight_logits_memory
 from eaglenest.config import ConfigError, resolve_shipped_paths, validate_config, write_resolved_config
 from eaglenest.serving.settings import ServerConfig, forget_run_key
 from eaglenest.serving.lifecycle import stop_server
-from eaglenest.serving.slurm import SlurmSettings, check_gpu_partition, gpu_partition, server_gpus
-from eaglenest.plan import format_plan, make_plan, stage_gpus, validation_refusal
-from eaglenest.checks import check_config
+from eaglenest.serving.slurm import SlurmSettings, gpu_partition
+from eaglenest.plan import format_plan, make_plan, stage_gpus
+from eaglenest.checks import review_config
 from eaglenest.gguf import converted_dir, is_gguf
 from eaglenest.data.prompts import QUESTIONS_FILE
 from eaglenest.settings import (DraftSettings, ExportSettings, FetchSettings, GenerationSettings, HiddenSettings,
@@ -88,21 +87,6 @@ HIDDEN_SERVER_LOG_DIR = "logs/hidden_server"
 HIDDEN_STATES_DIR = HIDDEN.states_dir
 # hidden.mode stream: no shards; train_draft reads the states from the running extraction server.
 STREAM = HIDDEN.mode == "stream"
-if VLLM_HIDDEN and workflow.is_main_process:
-    # Before any job: the extraction server's share must leave room for the prompt logits vLLM makes.
-    try:
-        logger.info(f"eaglenest: {preflight_logits_memory(facts_config()['server'], HIDDEN)}")
-    except ConfigError as e:
-        raise WorkflowError(str(e)) from None
-if STREAM and not VLLM_HIDDEN:
-    raise WorkflowError("hidden.mode: stream takes the states from the vLLM extraction server: set hidden.backend: vllm "
-                        "(or hidden.mode: files to use the transformers backend)")
-PLACEMENT_MODE = {"node": "local", "slurm": "slurm"}[HIDDEN.placement]  # the server.mode hidden.stream.placement needs
-if STREAM and PLACEMENT_MODE != config["server"]["mode"]:
-    raise WorkflowError(
-        f"hidden.stream.placement: {HIDDEN.placement} needs server.mode: {PLACEMENT_MODE} (it is "
-        f"{config['server']['mode']!r}): node runs the extraction server beside the trainer, slurm as its own SLURM "
-        "job; make the two agree")
 
 
 HAS_GPU = bool(shutil.which("nvidia-smi"))
@@ -128,27 +112,6 @@ def gpu_resources(section):
     return {"gpu": n, "slurm_partition": partition} if n and partition else {"gpu": n}
 
 
-if workflow.is_main_process:
-    # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size, and
-    # the config checked against the target's config.json and the disk (eaglenest.checks).
-    PLAN = make_plan(facts_config(), has_gpu=HAS_GPU)
-    try:
-        PLAN.skipped = check_config(facts_config(), PLAN)
-    except ConfigError as e:
-        logger.info(f"eaglenest: {format_plan(PLAN)}")
-        raise WorkflowError(f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config): {e}") from None
-    logger.info(f"eaglenest: {format_plan(PLAN)}")
-
-
-if SERVER.mode == "slurm":
-    try:
-        partition_note = check_gpu_partition(SLURM, server_gpus(SERVER, SLURM) + gpus("train") + gpus("validate"))
-    except ConfigError as e:
-        raise WorkflowError(str(e)) from None
-    if partition_note and workflow.is_main_process:
-        logger.info(f"eaglenest: {partition_note}")
-
-
 def profile_runtime_minutes(rule):
     """The runtime (minutes) the profile's set-resources gives ``rule`` (e.g. profiles/slurm: validate_draft
     8h), else None: what a SLURM job of that rule may take."""
@@ -162,11 +125,38 @@ def profile_runtime_minutes(rule):
         return None
 
 
+def cluster_executor():
+    """The executor the jobs go to where it is not this machine (the SLURM profile's slurm), else None; dry-runs
+    included. Snakemake parses this file before it hands the run its executor, and -n swaps in a dryrun one: the
+    executor the command line and its profiles name is the args of snakemake's CLI (cli.args_to_api). Called
+    through Snakemake's Python API instead, nothing names it here: None."""
+    from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
+
+    frame = sys._getframe()
+    while frame and not (frame.f_code.co_name == "args_to_api" and hasattr(frame.f_locals.get("args"), "executor")):
+        frame = frame.f_back
+    name = frame.f_locals["args"].executor if frame else None
+    if not isinstance(name, str) or name in ("local", "dryrun", "touch"):
+        return None
+    return None if ExecutorPluginRegistry().get_plugin(name).common_settings.local_exec else name
+
+
 if workflow.is_main_process:
-    # Before any job: validation that cannot finish within its SLURM time stops the run, with the figures.
-    refusal = validation_refusal(PLAN, profile_runtime_minutes("validate_draft"))
-    if refusal:
-        raise WorkflowError(refusal)
+    # Before any job (dry-runs too): what the run will cost, from the config and the dataset's size, and every
+    # check of the config against the target's config.json, the disk, the GPUs, the cluster and the profile
+    # (eaglenest.checks), all of them: every failure is reported at once.
+    PLAN = make_plan(facts_config(), has_gpu=HAS_GPU)
+    REVIEW = review_config(facts_config(), PLAN, has_gpu=HAS_GPU, executor=cluster_executor(),
+                           validate_minutes=profile_runtime_minutes("validate_draft"), sources=CONFIG_SOURCES)
+    PLAN.skipped = REVIEW.skipped
+    logger.info(f"eaglenest: {format_plan(PLAN)}")
+    for note in REVIEW.notes:
+        logger.info(f"eaglenest: {note}")
+    if REVIEW.errors:
+        where = f"the workflow config ({', '.join(CONFIG_SOURCES)}, --config)"
+        raise WorkflowError(f"{where}: {REVIEW.errors[0]}" if len(REVIEW.errors) == 1 else
+                            f"{where}: {len(REVIEW.errors)} settings to fix before any job:\n" +
+                            "\n".join(f"  - {e}" for e in REVIEW.errors))
 
 
 # The draft directory of each export format (export.format: vllm, speculators or both).
@@ -239,22 +229,6 @@ def after_training():
     """Stream mode: the work after training (export, then validation on the GPUs) waits until the
     extraction server training used has stopped."""
     return ["hidden_server.stopped"] if STREAM else []
-
-
-def refuse_local_server_on_a_cluster(executor_plugin):
-    """Before the first job: a cluster executor (the SLURM profile) with server.mode local would run vLLM where
-    Snakemake runs (a login node, on its CPU) and send the GPU rules to the cluster; refused, naming the preset
-    that runs the servers as SLURM jobs."""
-    name = getattr(executor_plugin, "name", "local")
-    if name in ("local", "dryrun", "touch") or SERVER.mode != "local":
-        return
-    sources = [s for s in CONFIG_SOURCES if s.endswith(".yaml") and not s.endswith(".slurm.yaml")]
-    sibling = next((s[: -len(".yaml")] + ".slurm.yaml" for s in sources if os.path.exists(s[: -len(".yaml")] + ".slurm.yaml")), None)
-    raise WorkflowError(
-        f"server.mode: local under the {name} executor would start vLLM on this machine ({os.uname().nodename}) while "
-        f"the rules' jobs go to the cluster: run " + (f"--configfile {sibling}" if sibling else
-        "with server.mode: slurm (and server.slurm's partition, GPUs and time)") + ", or drop the cluster "
-        "profile to run everything on this machine")
 
 
 def stop_server_on_exit(why):

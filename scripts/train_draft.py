@@ -1,7 +1,6 @@
 """Train the EAGLE-3 draft on the hidden-state shards, or (hidden.mode: stream) on states streamed
 from the running extraction server: one process, or torchrun over train.nproc."""
 import sys
-from pathlib import Path
 
 from eaglenest.logs import to_log
 
@@ -14,6 +13,7 @@ from eaglenest.gpus import hold_gpus
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import ServerConfig
 from eaglenest.settings import TrainSettings
+from eaglenest.states.preflight import STREAM_CACHE_DIR
 from eaglenest.states.stream import stream_spec
 from eaglenest.util import say, usable_threads
 
@@ -25,7 +25,7 @@ settings, io, state_dir = TrainSettings.from_config(snakemake.config), snakemake
 config, server = settings.config(), snakemake.config["server"]
 stream = None if settings.hidden.mode != "stream" else stream_spec(
     settings.hidden, traces=io.traces, ready=check_sentinel(io.ready, ServerConfig.from_dict(server).api_key()),
-    head=io.head, server=server, batch_tokens=config["batch_tokens"], cache_dir=Path(state_dir) / "stream_cache")
+    head=io.head, server=server, batch_tokens=config["batch_tokens"], cache_dir=STREAM_CACHE_DIR)
 sys.exit(train_in_processes(snakemake.params.nproc, list(io.get("hidden", [])), io.vocab, snakemake.output.checkpoint,
                             snakemake.output.metrics, head_path=io.head, config=config, state_dir=state_dir,
                             device=settings.device, stream=stream, snapshot_paths=list(snakemake.output.snapshots)))

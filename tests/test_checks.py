@@ -3,6 +3,7 @@ and `python -m eaglenest.plan` with one line naming the key, the value, the limi
 any output is made. The target is a directory holding only a config.json (the toy's, changed)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,10 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.checks import check_config
+from eaglenest.checks import check_config, review_config
 from eaglenest.config import validate_config
 from eaglenest.errors import ConfigError
+from eaglenest.gpus import known_gpu
 from eaglenest.plan import format_plan, make_plan
+from eaglenest.serving.slurm import SlurmSettings, cluster_partitions, partition_nodes, slurm_time_ok
 from eaglenest.settings import PromptSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,11 +32,13 @@ def target(tmp_path: Path, **changes) -> str:
 
 
 def toy_config(model: str, **sections) -> dict:
-    """The embedded default with absolute paths and the given target; ``sections`` update its sections."""
+    """The embedded default with absolute paths, the given target and a stated GPU memory; ``sections`` update its
+    sections."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["dataset"]["path"] = str(ROOT / "toy/prompts.jsonl")
     cfg["validate"]["datasets"][0]["path"] = str(ROOT / "toy/eval_prompts.jsonl")
     cfg["server"]["model"] = model
+    cfg["hidden"].setdefault("vllm", {})["gpu_memory_gib"] = 80  # no nvidia-smi here: the extraction memory is checked
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
@@ -134,7 +139,9 @@ def test_a_target_not_here_skips_its_checks_and_the_plan_says_so(tmp_path):
 
 def test_a_relative_target_and_dataset_are_read_from_the_working_directory(tmp_path):
     (tmp_path / "toy").symlink_to(ROOT / "toy")
-    cfg = validate_config(yaml.safe_load((ROOT / "config.yaml").read_text()))  # toy/target, toy/prompts.jsonl
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())  # toy/target, toy/prompts.jsonl
+    raw["hidden"].setdefault("vllm", {})["gpu_memory_gib"] = 80  # no nvidia-smi here: the extraction memory is checked
+    cfg = validate_config(raw)
     assert check_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path) == []
     bad = validate_config({**cfg, "draft": {**cfg["draft"], "vocab_size": 200}})
     with pytest.raises(ConfigError, match="draft.vocab_size 200"):
@@ -264,3 +271,197 @@ def test_an_evaluation_sets_columns_are_checked_and_mapped_like_the_datasets(tmp
     texts = resolve_sets(cfg["validate"]["datasets"], tmp_path / "heldout.jsonl")[2]
     rows = load_set(texts, cache_dir=str(tmp_path / "cache"))
     assert sorted(r["messages"][0]["content"] for r in rows) == sorted(f"What is {i} + {i}?" for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that used to pass the dry-run and fail hours in: each refused by `snakemake -n`, key named
+
+PRESET = {name: ROOT / "configs" / name for name in ("kimi-k2.5-int4.slurm.yaml", "kimi-k2.5-int4.yaml",
+                                                     "llama-3.1-8b-instruct.slurm.yaml")}
+# sinfo on a cluster whose GPU partition has nodes of 8 GPUs of the given type
+H100_NODES, H200_NODES = "gpu*|gpu:h100:8(S:0-1)|h100,ib", "gpu*|gpu:h200:8(S:0-1)|h200,ib"
+
+
+def dry_run(tmp_path: Path, *configs, sinfo: str | None = None, profile: bool = False) -> str:
+    """`snakemake -n` with these config files (a preset's path, or a dict written as an overlay) from a login node:
+    no nvidia-smi, no $SBATCH_*, the hub offline; ``sinfo``: the line a fake sinfo answers with. Refused: its
+    output (a run that passes fails the test)."""
+    files = []
+    for i, c in enumerate(configs):
+        if isinstance(c, dict):
+            (tmp_path / f"overlay_{i}.yaml").write_text(yaml.safe_dump(c))
+            c = tmp_path / f"overlay_{i}.yaml"
+        files.append(str(c))
+    env = {k: v for k, v in _no_gpu_env().items() if not k.startswith(("SBATCH_", "SLURM_", "EAGLENEST_GPU"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    if sinfo is not None:
+        (tmp_path / "bin").mkdir(exist_ok=True)
+        (tmp_path / "bin/sinfo").write_text(f"#!/bin/sh\necho '{sinfo}'\n")
+        (tmp_path / "bin/sinfo").chmod(0o755)
+        env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    how = ["--profile", str(ROOT / "profiles/slurm")] if profile else ["--cores", "1"]
+    run = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "wd"), "-n", *how,
+                          "--configfile", *files], capture_output=True, text=True, timeout=300, env=env)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "wd/data").exists() and not (tmp_path / "wd/traces").exists()
+    return out
+
+
+def refused_line(out: str, words) -> str:
+    """The one line of ``out`` holding every one of ``words``."""
+    lines = [line for line in out.splitlines() if all(w in line for w in words)]
+    assert lines, out[-3000:]
+    return lines[0]
+
+
+def review_with_sinfo(cfg: dict, tmp_path: Path, line: str, monkeypatch):
+    """review_config of ``cfg`` where a fake sinfo answers ``line``, with no nvidia-smi and the hub offline."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin/sinfo").write_text(f"#!/bin/sh\necho '{line}'\n")
+    (tmp_path / "bin/sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{_no_gpu_env()['PATH']}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return review_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+
+
+def toy(tmp_path, **changes) -> dict:
+    """The embedded default as a whole config (absolute paths), with ``changes`` to its sections."""
+    return bad_config(tmp_path, {}, changes)
+
+
+# (name, configs, dry-run options, words of the refusal's line)
+TABLE = [
+    ("tensor_parallel_above_the_server_jobs_gpus",
+     lambda t: [PRESET["llama-3.1-8b-instruct.slurm.yaml"], {"server": {"tensor_parallel_size": 16}}], {},
+     ["server.tensor_parallel_size 16 needs 16 GPUs a server", "server.slurm.gpus 1", "set server.slurm.gpus to 16"]),
+    ("kimi_server_job_of_4_gpus_at_tensor_parallel_8",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"server": {"slurm": {"gpus": 4}}}], {},
+     ["server.tensor_parallel_size 8 needs 8 GPUs a server", "asks for 4 (server.slurm.gpus 4)"]),
+    ("kimi_validation_on_1_gpu_at_tensor_parallel_8",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"validate": {"gpus": 1}}], {},
+     ["validate.gpus 1 is fewer than the 8 GPUs a validation server uses", "set validate.gpus to 8"]),
+    ("training_on_16_gpus_of_8_gpu_nodes_by_sinfo",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"train": {"gpus": 16}}], {"sinfo": H200_NODES},
+     ["train.gpus 16 asks for more GPUs than one node has", "at most 8 (sinfo gres gpu:h200:8(S:0-1))",
+      "lower train.gpus to fit 8"]),
+    ("training_on_16_gpus_of_the_8_gpu_nodes_a_preset_states",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"train": {"gpus": 16}}], {},
+     ["train.gpus 16 asks for more GPUs than one node has", "(server.slurm.node_gpus)"]),
+    ("k_above_ttt_length", lambda t: [toy(t, validate={"num_speculative_tokens": 12}, train={"ttt_length": 7})], {},
+     ["validate.num_speculative_tokens 12 is more than train.ttt_length 7", "or less"]),
+    ("stream_budget_below_one_request_file",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"hidden": {"stream": {"max_disk_gb": 0.5}}}], {},
+     ["hidden.stream.max_disk_gb 0.5 is below", "10,240 tokens x 4 layers x hidden size 7168", "1.17 GB"]),
+    ("stream_budget_above_the_free_disk",
+     lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"], {"hidden": {"stream": {"max_disk_gb": 10**6}}}], {},
+     ["hidden.stream.max_disk_gb 1e+06 is more than the working directory's disk has free"]),
+    ("temperature_5", lambda t: [toy(t, generation={"temperature": 5.0})], {},
+     ["generation.temperature: 5.0 is greater than the maximum of 2"]),
+    ("slurm_time_sbatch_refuses",
+     lambda t: [PRESET["llama-3.1-8b-instruct.slurm.yaml"], {"server": {"slurm": {"time": "2 days"}}}], {},
+     ["server.slurm.time '2 days' is not a time sbatch takes", "days-hours:minutes:seconds"]),
+    ("the_local_kimi_preset_under_the_slurm_profile", lambda t: [PRESET["kimi-k2.5-int4.yaml"]], {"profile": True},
+     ["server.mode: local under the slurm executor", "--configfile", "kimi-k2.5-int4.slurm.yaml"]),
+    ("the_h200_kimi_preset_on_an_h100_partition", lambda t: [PRESET["kimi-k2.5-int4.slurm.yaml"]],
+     {"sinfo": H100_NODES},
+     ["server.slurm.gpu_type H200: this config was sized for H200 GPUs (140.4 GiB each, 8 a server: 1,123 GiB)",
+      "partition gpu has H100 (79.6 GiB each, sinfo gres gpu:h100:8(S:0-1)): 8 x 79.6 = 637 GiB"]),
+]
+
+
+@pytest.mark.parametrize("name, configs, options, words", TABLE, ids=[c[0] for c in TABLE])
+def test_the_dry_run_refuses_a_setting_that_would_fail_hours_in(name, configs, options, words, tmp_path):
+    refused_line(dry_run(tmp_path, *configs(tmp_path), **options), words)
+
+
+def test_every_failure_is_reported_together(tmp_path):
+    """Five wrong settings, one dry-run: each on its own line under one error, with its key, value and fix."""
+    wrong = {"server": {"slurm": {"gpus": 4, "time": "2 days"}}, "validate": {"num_speculative_tokens": 12},
+             "hidden": {"stream": {"max_disk_gb": 0.5}}, "train": {"gpus": 16}}
+    out = dry_run(tmp_path, PRESET["kimi-k2.5-int4.slurm.yaml"], wrong, sinfo=H100_NODES)
+    for words in (["server.slurm.gpus 4"], ["server.slurm.time '2 days'"], ["validate.num_speculative_tokens 12"],
+                  ["hidden.stream.max_disk_gb 0.5 is below"], ["train.gpus 16 asks for more GPUs"],
+                  ["server.slurm.gpu_type H200", "H100"]):
+        assert refused_line(out, words).startswith("  - "), words
+    assert re.search(r"\): \d+ settings to fix before any job:", out), out[-3000:]
+
+
+def test_every_schema_violation_is_listed_at_once(tmp_path):
+    out = dry_run(tmp_path, toy(tmp_path, generation={"temperature": 5.0, "top_p": 2}, train={"lr": -1}))
+    for words in (["generation.temperature: 5.0"], ["generation.top_p: 2"], ["train.lr: -1"]):
+        refused_line(out, words)
+
+
+def test_the_plan_reports_every_failure_too(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(toy(tmp_path, validate={"num_speculative_tokens": 12}, draft={"vocab_size": 200})))
+    plan = subprocess.run([sys.executable, "-m", "eaglenest.plan", "--configfile", str(config), "-d", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=_no_gpu_env())
+    assert plan.returncode == 1 and "validate.num_speculative_tokens 12" in plan.stderr
+    assert "draft.vocab_size 200" in plan.stderr, plan.stderr
+
+
+def test_a_preset_on_the_gpus_it_was_sized_for_passes_the_gpu_checks(tmp_path, monkeypatch):
+    """The Kimi preset on a partition of 8-GPU H200 nodes: no GPU line among the refusals (a small disk may refuse
+    its stream budget here) and nothing left unchecked about the GPUs."""
+    cfg = validate_config(yaml.safe_load(PRESET["kimi-k2.5-int4.slurm.yaml"].read_text()))
+    review = review_with_sinfo(cfg, tmp_path, H200_NODES, monkeypatch)
+    assert not [e for e in review.errors if "GPU" in e or "gpus" in e], review.errors
+    assert not [n for n in review.skipped if "GPUs a node" in n or "partition's GPU" in n], review.skipped
+
+
+def test_without_sinfo_what_the_gpus_are_is_said_in_one_line_each(tmp_path, monkeypatch):
+    cfg = validate_config(yaml.safe_load(PRESET["llama-3.1-8b-instruct.slurm.yaml"].read_text()))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo, no nvidia-smi
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    review = review_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    assert any(n.startswith("GPUs a node has not known: sinfo does not answer here") for n in review.skipped)
+    assert any("not compared with the H100 GPUs this config was sized for" in n for n in review.skipped)
+
+
+def test_pipeline_parallel_in_extra_args_counts_in_a_servers_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = validate_config(yaml.safe_load(PRESET["kimi-k2.5-int4.slurm.yaml"].read_text()))
+    cfg["server"]["extra_args"] += ["--pipeline-parallel-size", "2"]
+    review = review_config(cfg, make_plan(cfg, tmp_path, has_gpu=False), tmp_path)
+    line = next(e for e in review.errors if "needs 16 GPUs a server" in e)
+    assert "server.tensor_parallel_size 8 x pipeline-parallel 2 (server.extra_args)" in line and "server.slurm.gpus 8" in line
+
+
+def test_weights_beyond_one_servers_gpus_are_refused_with_the_arithmetic(tmp_path, monkeypatch):
+    """Kimi-K2.5's INT4 weights (595 GB by its index) on 4 H200s at a 0.92 share: 4 x 140.4 GiB x 0.92 = 555 GB."""
+    model = Path(target(tmp_path, num_attention_heads=64))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 595 * 10**9}}))
+    cfg = validate_config(yaml.safe_load(PRESET["kimi-k2.5-int4.slurm.yaml"].read_text()))
+    cfg["server"].update(model=str(model), tensor_parallel_size=4)
+    cfg["server"]["slurm"]["gpus"] = 4
+    review = review_with_sinfo(cfg, tmp_path, H200_NODES, monkeypatch)
+    line = next(e for e in review.errors if e.startswith("the weights of"))
+    assert "(595 GB" in line and "4 GPUs of 140.4 GiB (partition gpu's H200)" in line and "= 555 GB" in line, line
+    cfg["server"].update(tensor_parallel_size=8)
+    cfg["server"]["slurm"]["gpus"] = 8
+    assert not [e for e in review_with_sinfo(cfg, tmp_path, H200_NODES, monkeypatch).errors
+                if e.startswith("the weights of")]
+
+
+@pytest.mark.parametrize("value, ok", [("30", True), ("30:00", True), ("24:00:00", True), ("2-0", True),
+                                       ("2-12:00", True), ("2-00:00:00", True), (90, True), ("UNLIMITED", True),
+                                       ("2 days", False), ("1h", False), ("1:00:00:00", False), ("2-", False), (-5, False)])
+def test_the_slurm_times_sbatch_takes(value, ok):
+    assert slurm_time_ok(value) is ok
+
+
+def test_sinfo_gives_each_partitions_node_kinds_and_a_plain_constraint_picks_among_them(tmp_path, monkeypatch):
+    lines = ["gpu*|gpu:h100:8(S:0-1)|h100,ib", "gpu*|gpu:a100:4,gpu:v100:2|a100&big", "cpu|(null)|(null)"]
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(f"'{line}'" for line in lines) + "\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("EAGLENEST_GPU_PARTITION", raising=False)
+    kinds = partition_nodes(SlurmSettings())  # no partition set: sinfo's default, gpu
+    assert [(k.gpus, k.gpu_type) for k in kinds] == [(8, "h100"), (4, "a100"), (2, "v100")]
+    assert kinds[1].features == ("a100", "big") and partition_nodes(SlurmSettings(partition="cpu"))[0].gpus == 0
+    picked = partition_nodes(SlurmSettings(partition="gpu", extra_sbatch_args=["--constraint=a100"]))
+    assert [k.gpu_type for k in picked] == ["a100", "v100"]
+    assert cluster_partitions() == (["gpu", "cpu"], "gpu")
+    assert known_gpu(kinds[0].gpu_type) == ("H100", 79.6) and known_gpu("nvidia_h200") == ("H200", 140.4)

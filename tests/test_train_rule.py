@@ -24,7 +24,7 @@ from tests.support.workflow import rules_run, run_snakemake, snakemake_cmd
 
 pytestmark = pytest.mark.vllm  # the session run it copies starts vLLM for the traces and states
 # 1 process x grad_accum 2 = 2 processes x 1: the same global batch, so the same run (test_ddp).
-TRAIN = {"max_steps": 12, "batch_tokens": 1024, "save_every": 4, "ttt_length": 2, "lr": 3e-3, "warmup_steps": 2,
+TRAIN = {"max_steps": 12, "batch_tokens": 1024, "save_every": 4, "ttt_length": 3, "lr": 3e-3, "warmup_steps": 2,
          "grad_accum": 2}
 CHECKPOINT = "draft/checkpoint.safetensors"
 

@@ -26,6 +26,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 
 
+# server.slurm keys that state the GPU nodes a config was sized for: read by the checks before any job
+# (eaglenest.checks), never by the server's job.
+CHECKED_ONLY = ("gpu_type", "node_gpus")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The `server:` section of the workflow config, the server stage's settings (as eaglenest.settings'
@@ -65,8 +70,10 @@ class ServerConfig:
         return cls.from_dict(config["server"])
 
     def fingerprint(self) -> dict:
-        """Every server key: any change starts (or finds) the server again."""
-        return dataclasses.asdict(self)
+        """Every server key but what the checks alone read (CHECKED_ONLY): any change starts (or finds) the
+        server again."""
+        slurm = {k: v for k, v in self.slurm.items() if k not in CHECKED_ONLY}
+        return {**dataclasses.asdict(self), "slurm": slurm}
 
     @property
     def model_id(self) -> str:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -40,6 +42,7 @@ from .backend import Backend, log_tail, signal_group, watchdog_command
 from .local import guarded_server_command, launch_env, server_command
 from .port import PORT_FILE, read_port_record
 from .settings import ServerConfig, check_model_path
+from .vllm import server_parallel
 
 JOB_PREFIX = "eaglenest-server-"
 # States in which a job may still serve; anything else means it has ended (or is ending).
@@ -60,8 +63,11 @@ class SlurmSettings:
     time: str | int = schema_field("server.slurm", "time")             # sbatch --time; an int is minutes
     cpus: int = schema_field("server.slurm", "cpus")                   # --cpus-per-task of the one task
     mem: str | int | None = schema_field("server.slurm", "mem")        # --mem (e.g. "200G"; an int is MB)
-    gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: tensor_parallel_size
+    gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: the GPUs a server uses
     extra_sbatch_args: list[str] = schema_field("server.slurm", "extra_sbatch_args")  # e.g. ["--qos=high"]
+    # What the GPU nodes were sized as, for the checks before any job (eaglenest.checks), never sent to sbatch:
+    gpu_type: str | None = schema_field("server.slurm", "gpu_type")    # the GPU, e.g. H200 (gpus.GPU_MEMORY_GIB)
+    node_gpus: int | None = schema_field("server.slurm", "node_gpus")  # GPUs a node has, where sinfo does not say
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SlurmSettings":
@@ -75,18 +81,82 @@ def gpu_partition(settings: SlurmSettings) -> str | None:
     return settings.partition or os.environ.get("EAGLENEST_GPU_PARTITION") or None
 
 
-def cluster_partitions() -> tuple[list[str], str | None] | None:
-    """(partitions, the default one) as ``sinfo`` lists them, or None where SLURM cannot be asked from here."""
+@dataclass(frozen=True)
+class NodeKind:
+    """Nodes of one partition alike for sinfo: their GPUs of one type (gres), and their features."""
+
+    partition: str
+    gpus: int                 # GPUs a node has (of this type)
+    gpu_type: str | None      # the gres type (e.g. h100, nvidia_h100_80gb_hbm3); None where the gres names none
+    features: tuple[str, ...]
+    gres: str                 # as sinfo wrote it, for messages
+
+
+def sinfo_nodes() -> tuple[list[NodeKind], str | None] | None:
+    """Every partition's node kinds as ``sinfo`` lists them, and the default partition; None where SLURM cannot
+    be asked from here. A partition without GPUs has one kind of 0 GPUs."""
     if shutil.which("sinfo") is None:
         return None
     try:
-        out = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=15)
+        out = subprocess.run(["sinfo", "--noheader", "--format=%P|%G|%f"], capture_output=True, text=True, timeout=15)
     except (subprocess.TimeoutExpired, OSError):
         return None
     if out.returncode != 0:
         return None
-    names = [n.strip() for n in out.stdout.split() if n.strip()]
-    return [n.rstrip("*") for n in names], next((n.rstrip("*") for n in names if n.endswith("*")), None)
+    kinds, default = [], None
+    for line in out.stdout.splitlines():
+        name, _, rest = line.strip().partition("|")
+        gres, _, features = rest.partition("|")
+        if not name:
+            continue
+        if name.endswith("*"):
+            name = default = name.rstrip("*")
+        feats = tuple(f for f in re.split(r"[,&|]", features) if f and f != "(null)")
+        gpus = re.findall(r"gpu:(?:([^:,()]+):)?(\d+)", gres)
+        kinds += [NodeKind(name, int(n), t or None, feats, gres) for t, n in gpus] or [NodeKind(name, 0, None, feats, gres)]
+    return kinds, default
+
+
+def cluster_partitions() -> tuple[list[str], str | None] | None:
+    """(partitions, the default one) as ``sinfo`` lists them, or None where SLURM cannot be asked from here."""
+    listed = sinfo_nodes()
+    if listed is None:
+        return None
+    return list(dict.fromkeys(k.partition for k in listed[0])), listed[1]
+
+
+def partition_nodes(settings: SlurmSettings, listed=None) -> list[NodeKind] | None:
+    """The node kinds the GPU jobs may land on: the GPU partition's (gpu_partition, else sinfo's default), those
+    with the feature a plain ``--constraint`` in extra_sbatch_args names; None where sinfo does not answer.
+    ``listed``: sinfo_nodes()'s answer, where the caller has it."""
+    listed = sinfo_nodes() if listed is None else listed
+    if listed is None:
+        return None
+    partition = gpu_partition(settings) or listed[1]
+    kinds = [k for k in listed[0] if k.partition == partition]
+    wanted = constraint(settings.extra_sbatch_args)
+    return [k for k in kinds if wanted in k.features] if wanted else kinds
+
+
+def constraint(sbatch_args) -> str | None:
+    """The node feature a plain ``--constraint=F`` (``-C F``) asks for; None without one, or for an expression."""
+    args = [str(a) for a in sbatch_args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--constraint", "-C"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return value if re.fullmatch(r"[\w.-]+", value) else None
+    return None
+
+
+# The --time formats sbatch takes (man sbatch): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; and no limit.
+SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|infinite|unlimited", re.IGNORECASE)
+
+
+def slurm_time_ok(value) -> bool:
+    """Whether sbatch takes ``value`` as --time (an integer: minutes)."""
+    return (isinstance(value, int) and value >= 0) or (isinstance(value, str) and bool(SLURM_TIME.fullmatch(value)))
 
 
 def check_gpu_partition(settings: SlurmSettings, gpus: int) -> str | None:
@@ -114,8 +184,9 @@ def check_gpu_partition(settings: SlurmSettings, gpus: int) -> str | None:
 
 
 def server_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:
-    """GPUs of the server's job: server.slurm.gpus, else server.tensor_parallel_size."""
-    return cfg.tensor_parallel_size if settings.gpus is None else settings.gpus
+    """GPUs of the server's job: server.slurm.gpus, else the GPUs one server uses (tensor_parallel_size, times
+    any pipeline or data-parallel size in extra_args: serving.vllm.server_parallel)."""
+    return math.prod(server_parallel(cfg).values()) if settings.gpus is None else settings.gpus
 
 
 @dataclass

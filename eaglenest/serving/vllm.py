@@ -61,6 +61,24 @@ def single_process_worker(cfg) -> bool:
 
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
+# The flags whose sizes multiply into the GPUs one server uses (vLLM's world size on one node).
+PARALLEL_FLAGS = {"--tensor-parallel-size": "tensor", "-tp": "tensor", "--pipeline-parallel-size": "pipeline",
+                  "-pp": "pipeline", "--data-parallel-size": "data", "-dp": "data"}
+
+
+def server_parallel(cfg) -> dict:
+    """``{"tensor": n, "pipeline": n, "data": n}`` of one server: tensor_parallel_size, and any size extra_args
+    gives (they come after the command's own flags, so theirs win). Their product is the GPUs it uses."""
+    sizes = {"tensor": cfg.tensor_parallel_size, "pipeline": 1, "data": 1}
+    args = [str(a) for a in cfg.extra_args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = flag.replace("_", "-")  # vLLM's parser takes --a_b as --a-b
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if flag in PARALLEL_FLAGS and value.isdigit():
+            sizes[PARALLEL_FLAGS[flag]] = int(value)
+    return sizes
+
 
 # ----------------------------------------------------------------------------- hidden-state extraction
 # vLLM's extraction mode (docs/vllm-format.md): the extract_hidden_states speculative method records

@@ -56,7 +56,7 @@ from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from ..vllm_facts import vllm_version
 from .hidden import ShardWriter, check_free_disk, shard_layout, shard_sequences
-from .preflight import estimate_bytes
+from .preflight import estimate_bytes, states_file_bytes
 from .target import TargetFacts, load_target_head
 
 BACKEND = "vllm"
@@ -287,8 +287,8 @@ class StatesClient:
         return open_session(self.api_key, concurrency, self.request_timeout)
 
     def file_bytes(self, n_tokens):
-        """The most one per-request file of ``n_tokens`` takes on disk ([T, layers, H] at up to 4 bytes)."""
-        return n_tokens * len(self.ids_wanted) * self.hidden_size * 4 + 4096
+        """The most one per-request file of ``n_tokens`` takes on disk (``states_file_bytes``)."""
+        return states_file_bytes(n_tokens, len(self.ids_wanted), self.hidden_size)
 
     async def request(self, session, rid, ids, prefix, *, where, sent, kept):
         """Send the token ids ``ids`` (trace ``rid``); return ``(path of the per-request file,

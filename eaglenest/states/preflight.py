@@ -31,18 +31,33 @@ def target_config(model: str) -> dict | None:
     $HF_HUB_CACHE; nothing is downloaded), or a GGUF file's metadata; None when none has it."""
     if is_gguf(str(model)) and Path(model).is_file():
         return dict(_gguf_config(str(Path(model).resolve())))
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import try_to_load_from_cache
+    path = target_file(model, "config.json")
+    return json.loads(path.read_text()) if path is not None else None
 
-        try:
-            cached = try_to_load_from_cache(model, "config.json")
-        except ValueError:  # not a repo id either
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    return json.loads(path.read_text())
+
+def target_file(model: str, name: str) -> Path | None:
+    """A file of the target's checkpoint: in its local directory, else in the Hugging Face cache (nothing is
+    downloaded); None where neither has it."""
+    path = Path(model) / name
+    if path.is_file():
+        return path
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, name)
+    except ValueError:  # not a repo id either
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def weights_bytes(model: str) -> int | None:
+    """The target's weights on disk: total_size in its model.safetensors.index.json, else its one
+    model.safetensors file (``target_file``); None where neither is here."""
+    index = target_file(model, "model.safetensors.index.json")
+    if index is not None:
+        return (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+    single = target_file(model, "model.safetensors")
+    return single.stat().st_size if single is not None else None
 
 
 # vLLM makes a request's prompt logits at once, beyond its start-up memory profile (states/extract.py, module docstring):
@@ -104,6 +119,18 @@ def bytes_per_token(hidden_size, num_aux=3) -> int:
     """A shard's bytes per token: bf16 states of the aux layers and the last, the int64 token id, the
     int32 next token and the bool mask (8*H + 13 with three aux layers)."""
     return (num_aux + 1) * hidden_size * 2 + 8 + 4 + 1
+
+
+# Where stream-mode training keeps its cache of extracted sequences, relative to the working directory (beside
+# train_draft's resumable states); the disk check counts what it holds as the budget's own.
+STREAM_CACHE_DIR = "draft/.train_state/stream_cache"
+
+
+def states_file_bytes(n_tokens, num_layers, hidden_size) -> int:
+    """The most one per-request file of the extraction server takes on disk: ``n_tokens`` x ``num_layers`` (the
+    aux layers and the last) x ``hidden_size`` at up to 4 bytes, and its header. Stream mode's disk budget
+    (hidden.stream.max_disk_gb) must hold at least the longest sequence's (checks.check_stream_disk)."""
+    return n_tokens * num_layers * hidden_size * 4 + 4096
 
 
 def estimate_bytes(num_tokens, num_seqs, hidden_size, num_aux=3) -> int:
