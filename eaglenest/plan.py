@@ -22,7 +22,7 @@ from typing import NamedTuple
 from .config import matrix_temperatures
 from .data.prompts import same_prompts
 from .gguf import is_gguf
-from .gpus import nvidia_smi
+from .gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
 from .serving.settings import ServerConfig
 from .serving.slurm import SlurmSettings
 from .serving.slurm import server_gpus as slurm_server_gpus
@@ -32,8 +32,8 @@ from .states.preflight import bytes_per_token, target_config
 SUGGEST_STREAM_BYTES = 10**12
 # The GPUs the assumed generation rate knows, by the name nvidia-smi gives them: memory in GiB (as nvidia-smi
 # reports it, to match hidden.vllm.gpu_memory_gib) and memory bandwidth in TB/s (the vendor's figure).
-GPU_KINDS = {"B200": (179.1, 8.0), "H200": (140.4, 4.8), "H100": (79.6, 3.35), "A100": (80.0, 2.04),
-             "L40S": (45.0, 0.864)}
+# Memory bandwidth (TB/s) of the GPUs the assumed generation rate knows; their memory is gpus.GPU_MEMORY_GIB's.
+GPU_BANDWIDTH_TBS = {"B200": 8.0, "H200": 4.8, "H100": 3.35, "A100": 2.04, "L40S": 0.864}
 DEFAULT_GPU = "H100"  # where neither nvidia-smi nor hidden.vllm.gpu_memory_gib says
 # The assumed generation rate: one decode step of a replica's whole batch takes this many times as long as one
 # read of its weights at its GPUs' memory bandwidth (the KV cache's reads, the compute, the all-reduces), and no
@@ -112,16 +112,20 @@ def target_hidden_size(config: dict) -> tuple[int | None, str]:
 
 
 def gpu_kind(config: dict, has_gpu: bool) -> tuple[str, str]:
-    """The GPU the target's servers run on, as GPU_KINDS names it, and how the plan knows: nvidia-smi's name here
-    (server.mode local), else the kind whose memory is nearest hidden.vllm.gpu_memory_gib, else DEFAULT_GPU."""
+    """The GPU the target's servers run on, as GPU_BANDWIDTH_TBS names it, and how the plan knows: nvidia-smi's name
+    here (server.mode local), else the GPU the config was sized for (server.slurm.gpu_type), else the kind whose
+    memory is nearest hidden.vllm.gpu_memory_gib, else DEFAULT_GPU."""
     if has_gpu and config["server"]["mode"] == "local":
         names = " ".join(row[0] for row in nvidia_smi("--query-gpu=name") if row).upper()
-        kind = next((k for k in GPU_KINDS if k in names), None)
+        kind = next((k for k in GPU_BANDWIDTH_TBS if k in names), None)
         if kind:
             return kind, "nvidia-smi here"
+    stated = known_gpu(config["server"]["slurm"]["gpu_type"])
+    if stated and stated[0] in GPU_BANDWIDTH_TBS:
+        return stated[0], f"server.slurm.gpu_type {config['server']['slurm']['gpu_type']}"
     gib = config["hidden"]["vllm"]["gpu_memory_gib"]
     if gib:
-        kind = min(GPU_KINDS, key=lambda k: abs(GPU_KINDS[k][0] - gib))
+        kind = min(GPU_BANDWIDTH_TBS, key=lambda k: abs(GPU_MEMORY_GIB[k] - gib))
         return kind, f"hidden.vllm.gpu_memory_gib {gib:g} GiB is nearest its memory"
     return DEFAULT_GPU, "assumed: no nvidia-smi here, no hidden.vllm.gpu_memory_gib"
 
@@ -178,7 +182,7 @@ def assumed_generation(config: dict, weights_bytes: int | None, has_gpu: bool) -
         return None
     kind, source = gpu_kind(config, has_gpu)
     gpus, in_flight = server_gpus(config), config["generation"]["concurrency"] / s["replicas"]
-    step_s = max(MIN_STEP_S, STEP_PER_WEIGHT_READ * weights_bytes / (gpus * GPU_KINDS[kind][1] * 1e12))
+    step_s = max(MIN_STEP_S, STEP_PER_WEIGHT_READ * weights_bytes / (gpus * GPU_BANDWIDTH_TBS[kind] * 1e12))
     return {"rate": in_flight / step_s, "in_flight": in_flight, "step_s": step_s, "gpus": gpus, "kind": kind,
             "kind_source": source}
 
@@ -517,7 +521,7 @@ def generation_lines(p: Plan) -> list[str]:
     return [f"  generation rate, assumed: {a['rate']:,.0f} tokens/s a replica: {a['in_flight']:g} requests in flight, "
             f"a decode step of {a['step_s'] * 1000:,.0f} ms ({STEP_PER_WEIGHT_READ} x one read of "
             f"{human_bytes(p.weights_bytes)} of weights from {p.weights_source} at {a['gpus']} x {a['kind']}'s "
-            f"{GPU_KINDS[a['kind']][1]:g} TB/s, the GPU as {a['kind_source']}; at least {MIN_STEP_S * 1000:g} ms); "
+            f"{GPU_BANDWIDTH_TBS[a['kind']]:g} TB/s, the GPU as {a['kind_source']}; at least {MIN_STEP_S * 1000:g} ms); "
             "a rough guess: set plan.generate_tokens_per_s to your server's (a finished trace shard's rate replaces it)"]
 
 
@@ -592,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import yaml
 
-    from .config import validate_config
+    from .config import resolve_shipped_paths, validate_config
 
     p = argparse.ArgumentParser(prog="python -m eaglenest.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: config.yaml)")
@@ -603,8 +607,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:  # a config the user can fix: one line, no traceback
         config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
-        plan = make_plan(config, args.directory)
-        plan.skipped = check_config(config, plan, args.directory)
+        resolve_shipped_paths(config, args.directory, Path(__file__).resolve().parent.parent)
+        has_gpu = bool(shutil.which("nvidia-smi"))
+        plan = make_plan(config, args.directory, has_gpu=has_gpu)
+        plan.skipped = check_config(config, plan, args.directory, has_gpu=has_gpu)
     except (EaglenestError, OSError) as e:
         sys.exit(f"{args.configfile}: {e}")
     print(format_plan(plan))
