@@ -233,9 +233,14 @@ def test_without_a_stated_rate_generation_assumes_one_from_the_gpu_kind_and_the_
     assert "generation rate, assumed: 4,161 tokens/s a replica: 200 requests in flight, a decode step of 48 ms" in text
     assert "1 x H100's 3.35 TB/s" in text and "set plan.generate_tokens_per_s" in text
     assert "time, generation: about 5.5 h, 5.5 GPU-hours (1 GPU): 81,920,000 tokens at the assumed 4,161" in text
-    # an H200 (140.4 GiB) reads the weights 4.8 / 3.35 times as fast; two replicas share the 200 requests
-    h200 = make_plan(stated(config, ("hidden", "vllm", {**config["hidden"]["vllm"], "gpu_memory_gib": 140.4})),
+    # an H200 reads the weights 4.8 / 3.35 times as fast; two replicas share the 200 requests. The GPU a config
+    # states it was sized for names it (server.slurm.gpu_type), else the one whose memory is gpu_memory_gib's
+    h200 = make_plan(stated(config, ("server", "slurm", {**config["server"]["slurm"], "gpu_type": "H200"})),
                      tmp_path, has_gpu=False).assumed
+    unstated = stated(config, ("server", "slurm", {**config["server"]["slurm"], "gpu_type": None}))
+    by_memory = make_plan(stated(unstated, ("hidden", "vllm", {**config["hidden"]["vllm"], "gpu_memory_gib": 140.4})),
+                          tmp_path, has_gpu=False).assumed
+    assert by_memory["kind"] == "H200" and "gpu_memory_gib 140.4" in by_memory["kind_source"]
     assert h200["kind"] == "H200" and h200["rate"] == pytest.approx(plan.assumed["rate"] * 4.8 / 3.35)
     two = make_plan(changed(config, "server", "replicas", 2), tmp_path, has_gpu=False)
     assert two.assumed["in_flight"] == 100 and two.stages["generation"].seconds == pytest.approx(gen.seconds)
