@@ -3,7 +3,8 @@
 # /tmp while it stays warm between them). What one call cannot carry arrives in parts first:
 #
 #   bash benchmarks/gpu_quality.sh take FILE...   copy carried files to /tmp/dq_in (the GGUF's parts, the wheels)
-#   bash benchmarks/gpu_quality.sh data           join the GGUF, install the wheels, questions + answers + states
+#   bash benchmarks/gpu_quality.sh data [ARGS]    join the GGUF, install the wheels, questions + answers (draft_quality.py
+#                                                 data ARGS), then states for the sizes in $SIZES (default: its own)
 #   bash benchmarks/gpu_quality.sh train [ARGS]   both trainers at every size (draft_quality.py train ARGS)
 #   bash benchmarks/gpu_quality.sh rest [ARGS]    train, then eval and report in one call (REST_BUDGET seconds)
 #   bash benchmarks/gpu_quality.sh eval           offline acceptance, report; results to $OUT
@@ -30,7 +31,7 @@ case $stage in
     cat "$IN"/gguf.part.* > "$IN"/model.gguf && ls -l "$IN"/model.gguf
     $PY -c "import torch, transformers, speculators, gguf, jsonschema; print('torch', torch.__version__, 'transformers', transformers.__version__)" || exit 1
     $PY benchmarks/draft_quality.py data --dir "$DIR" --gguf "$IN"/model.gguf --mtbench "$IN"/question.jsonl "$@" \
-      && $PY benchmarks/draft_quality.py states --dir "$DIR" ;;
+      && $PY benchmarks/draft_quality.py states --dir "$DIR" ${SIZES:+--sizes $SIZES} ;;
   train)
     $PY benchmarks/draft_quality.py train --dir "$DIR" "$@" ;;
   check)
