@@ -610,8 +610,12 @@ def main(argv: list[str] | None = None) -> None:
         resolve_shipped_paths(config, args.directory, Path(__file__).resolve().parent.parent)
         has_gpu = bool(shutil.which("nvidia-smi"))
         plan = make_plan(config, args.directory, has_gpu=has_gpu)
-        plan.skipped = check_config(config, plan, args.directory, has_gpu=has_gpu)
     except (EaglenestError, OSError) as e:
+        sys.exit(f"{args.configfile}: {e}")
+    try:
+        plan.skipped = check_config(config, plan, args.directory, has_gpu=has_gpu)
+    except EaglenestError as e:  # the plan still shows what the run would cost, then every setting to fix
+        print(format_plan(plan))
         sys.exit(f"{args.configfile}: {e}")
     print(format_plan(plan))
 
