@@ -25,7 +25,7 @@ from eaglenest.validation.predict import load_exported_draft
 from tests.support.config import TOY_TARGET, eager, write_config
 from tests.support.measure import K, measure_draft
 from tests.support.workflow import run_snakemake
-from tests.test_train import run
+from tests.test_train import CONFIG, run
 
 DRAFT_VOCAB = 48  # of the toy's 105 tokens
 WITHIN = 0.10  # vLLM's acceptance length against the offline prediction
@@ -161,6 +161,46 @@ def test_speculators_config_names_the_verifier_as_given():
     assert config["speculators_config"]["verifier"]["name_or_path"] == "toy/target"  # as the config gives it
     assert config["norm_before_residual"] is True and config["target_hidden_size"] == 32
     assert draft_config_from_json(config) == cfg
+
+
+@pytest.fixture(scope="module")
+def peagle_both(data, tmp_path_factory):
+    """A small trained P-EAGLE checkpoint (draft.kind peagle) exported in both formats."""
+    out = tmp_path_factory.mktemp("peagle_formats")
+    run(data, out, {**CONFIG, "kind": "peagle", "max_steps": 2})
+    settings = ExportSettings.defaults().replace(verifier="org/tiny-target", k=4)
+    export_draft(out / "checkpoint.safetensors", out / "vllm", settings, speculators_dir=out / "speculators",
+                 card={"target": "org/tiny-target"})
+    return out
+
+
+def test_a_peagle_draft_is_served_with_parallel_drafting_from_either_format(peagle_both):
+    """vLLM's own speculators code reads the P-EAGLE speculators config as eagle3 with parallel drafting
+    and the mask token as pard_token; both formats read back as the same parallel draft; vLLM's format is
+    served with parallel_drafting in the speculative config; the cards say what the draft is."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    spec_config, spec_tensors = load_exported(peagle_both / "speculators")
+    vllm_config, vllm_tensors = load_exported(peagle_both / "vllm")
+    assert spec_config["speculators_model_type"] == "peagle" and spec_config["mask_token_id"] == 99
+    assert SpeculatorsConfig.extract_vllm_speculative_config(spec_config) == {
+        "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(spec_config)))
+    assert parsed["architectures"] == ["PeagleLlamaForCausalLM"] and parsed["pard_token"] == 99
+    assert vllm_config["mask_token_id"] == 99 and vllm_config["parallel_drafting"] is True
+    read = draft_config_from_json(spec_config)
+    assert read == draft_config_from_json(vllm_config) and (read.kind, read.mask_token_id) == ("peagle", 99)
+    assert vllm_tensors["mask_hidden"].shape == spec_tensors["mask_hidden"].shape == (1, 3 * 64)
+    from eaglenest.validation.report import export_differences
+
+    ckpt = peagle_both / "checkpoint.safetensors"
+    assert export_differences(peagle_both / "vllm", ckpt) == [] == export_differences(peagle_both / "speculators", ckpt)
+    _, spec, _ = how_to_serve("vllm", peagle_both / "vllm", 3, "org/tiny-target")
+    assert spec == {"method": "eagle3", "model": str((peagle_both / "vllm").resolve()), "num_speculative_tokens": 3,
+                    "parallel_drafting": True}
+    card = (peagle_both / "vllm" / "README.md").read_text()
+    assert "# P-EAGLE draft for org/tiny-target" in card and '"parallel_drafting":true' in card
+    assert "p-eagle" in yaml.safe_load(card.split("---")[1])["tags"]
 
 
 @pytest.mark.parametrize("fmt, dirs", [("both", ["draft/checkpoint", "draft/speculators"]),
