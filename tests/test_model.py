@@ -462,10 +462,13 @@ def test_peagle_mask_token_defaults_to_the_targets_last_id():
     assert DraftConfig.from_target(info, VD, "eagle3", mask_token_id=3).mask_token_id is None  # sequential: none
 
 
-def test_peagle_one_forward_equals_vllms_parallel_drafting():
-    """Every position j of the one training forward at base t is what vLLM's one parallel-drafting pass
-    computes for its j-th drafted token after target position t."""
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_peagle_one_forward_equals_vllms_parallel_drafting(attention):
+    """Every position j of the training forward at base t is what vLLM's one parallel-drafting pass
+    computes for its j-th drafted token after target position t: on the flex path one layer call over
+    all positions (a dense mask on CPU), on the sdpa path the TTT's steps fed the mask's inputs."""
     model = make_model(**PEAGLE)
+    model.runtime = Runtime(attention=attention)
     ids, aux = inputs(T=16)
     with torch.no_grad():
         outs = model(ids, aux, ttt_length=J)
@@ -510,7 +513,8 @@ def test_peagle_propose_drafts_what_vllm_would():
 
 def test_peagle_loss_weighs_positions_as_its_recipe():
     """A P-EAGLE draft's positions weigh max(0.7**j, 0.2) (speculators' COD shares), whatever decay is
-    given; the fused loss and recomputation give the reference loss and gradients."""
+    given; the one-call flex layout with the fused loss and recomputation gives the reference (the
+    TTT's steps fed the mask's inputs) loss and gradients."""
     from eaglenest.draft.losses import COD_FLOOR, COD_RATIO
 
     model = make_model(**PEAGLE).train()

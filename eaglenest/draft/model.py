@@ -59,8 +59,8 @@ from .vllm_format import draft_to_target_ids
 class Runtime:
     """How the TTT runs: the same model and losses either way. The defaults are the reference path;
     ``train.resolve_runtime`` picks the device's (on CUDA: the flex path, compiled and fused). A P-EAGLE
-    draft runs its positions in one layer call (``Eagle3Draft._parallel``): of these only ``attention``
-    (a dense mask or a flex BlockMask), ``recompute`` and ``fused_loss`` apply to it."""
+    draft (``Eagle3Draft._parallel``) runs its positions in one layer call on the flex path and as the
+    dense TTT steps on the sdpa path: of these only ``attention``, ``recompute`` and ``fused_loss`` apply."""
 
     attention: str = "sdpa"
     """"sdpa": a dense boolean mask, keys concatenated step by step (any device); "flex": fixed-shape
@@ -223,24 +223,34 @@ class Eagle3Draft(nn.Module):
                                   fp8=getattr(self.lm_head, "fp8", False), floor=floor)
         return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, floor)
 
+    def masked_inputs(self, B, n, dtype):
+        """What a P-EAGLE draft's positions not yet drafted read, for ``n`` positions of each of ``B``
+        rows: the mask token's embedding and the fused ``mask_hidden``, each [B, n, H]."""
+        if self.mask_embed.shape[0] == 0:
+            raise ValueError("Eagle3Draft (P-EAGLE) has no mask token embedding: call set_target")
+        fused = self.combine(self.mask_hidden.to(dtype))  # [1, H]
+        return self.mask_embed.to(self.fc.weight.dtype).expand(B, n, -1), fused.expand(B, n, -1)
+
     def _parallel(self, input_ids, aux_hidden, ttt_length, embeds_all):
         """P-EAGLE: the ``ttt_length`` positions of every base position t in ONE layer call over
         [B, J·T] (position j of base t at column j·T + t): position 0 is the TTT's step 0 (the token at
-        t+1 from ``embeds_all``, the fused target features at t, rope position t); position j >= 1 reads the mask
-        token's embedding and ``combine(mask_hidden)`` at rope position t+j. Each attends to position 0's
-        keys at bases <= t and to its own chain's positions 1..j (``parallel_mask``: the TTT's keys, all
-        steps at once). -> the J positions' normed outputs, each [B, T, H], as ``_ttt_dense`` returns steps."""
+        t+1 from ``embeds_all``, the fused target features at t, rope position t); position j >= 1 reads
+        ``masked_inputs`` at rope position t+j. Each attends to position 0's keys at bases <= t and to its
+        own chain's positions 1..j (``parallel_mask``: the TTT's keys, all steps at once). -> the J
+        positions' normed outputs, each [B, T, H], as ``_ttt_dense`` returns steps.
+
+        Off the flex path the same outputs come from ``_ttt_dense`` step by step (its later steps fed
+        ``masked_inputs``), whose dense masks are J times smaller than [J·T, J·T]."""
+        if self.runtime.attention != "flex":
+            return self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds_all)
         B, T = input_ids.shape
-        if self.mask_embed.shape[0] == 0:
-            raise ValueError("Eagle3Draft (P-EAGLE) has no mask token embedding: call set_target")
-        dtype, n_masked = self.fc.weight.dtype, (ttt_length - 1) * T
-        embeds = torch.cat([embeds_all[:, :T].to(dtype), self.mask_embed.to(dtype).expand(B, n_masked, -1)], dim=1)
-        masked = self.combine(self.mask_hidden.to(aux_hidden.dtype))  # [1, H]
-        hidden = torch.cat([self.combine(aux_hidden), masked.expand(B, n_masked, -1)], dim=1)
+        mask_embeds, mask_hidden = self.masked_inputs(B, (ttt_length - 1) * T, aux_hidden.dtype)
+        embeds = torch.cat([embeds_all[:, :T].to(self.fc.weight.dtype), mask_embeds], dim=1)
+        hidden = torch.cat([self.combine(aux_hidden), mask_hidden], dim=1)
         cos, sin = self.rotary_emb(hidden, parallel_positions(T, ttt_length, input_ids.device).unsqueeze(0))
-        if self.runtime.attention == "flex" and input_ids.device.type == "cuda":
+        if input_ids.device.type == "cuda":
             mask = parallel_block_mask(T, ttt_length, str(input_ids.device))
-        else:  # and on CPU (tests), where flex attention has no backward: the same pattern, dense
+        else:  # CPU (tests), where flex attention has no backward: the same pattern, dense
             mask = parallel_mask(T, ttt_length, input_ids.device)
         layer = functools.partial(self.midlayer, past_kv=(), mask=mask)
         if self.runtime.recompute and torch.is_grad_enabled():
@@ -253,9 +263,13 @@ class Eagle3Draft(nn.Module):
         B, T = input_ids.shape
         hidden = self.combine(aux_hidden)
         base = torch.arange(T, device=input_ids.device)
+        masked = self.masked_inputs(B, T, aux_hidden.dtype) if self.config.parallel_drafting else None
         past, outs = [], []
         for j in range(ttt_length):
-            hidden, normed = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
+            embeds = embeds_all[:, j : j + T]  # tokens t+1+j
+            if masked and j:  # P-EAGLE: the mask's inputs in place of the chain's token and state
+                embeds, hidden = masked
+            hidden, normed = self.step(embeds.to(self.fc.weight.dtype), hidden, base, j, past)
             outs.append(normed)
         return outs
 
