@@ -270,7 +270,7 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
     whose default differs between the formats written out."""
     layer = {key: v for key, v in draft_config_json(cfg, aux_layer_ids, dtype).items()
              if key not in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                            "target_hidden_size", *SWITCHES)}
+                            "target_hidden_size", *SWITCHES, *PARALLEL_KEYS)}
     verifier_cfg = {"name_or_path": str(verifier)}
     if verifier_architectures:
         verifier_cfg["architectures"] = list(verifier_architectures)
