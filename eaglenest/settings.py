@@ -214,7 +214,8 @@ class DraftSettings(Stage):
 
     aux_layers: list[int] | None = setting("draft.aux_layers")
     vocab_size: int = setting("draft.vocab_size")
-    kind: str = setting("draft.kind")  # eagle3 or eagle3.1: the vLLM switches it sets are draft.config.KINDS
+    kind: str = setting("draft.kind")  # eagle3, eagle3.1 or peagle: the vLLM switches it sets are draft.config.KINDS
+    mask_token_id: int | None = setting("draft.mask_token_id")  # peagle's mask token (None: DraftConfig's default)
     norm_before_residual: bool = setting("draft.norm_before_residual")
     intermediate_size: int | None = setting("draft.intermediate_size")
     num_attention_heads: int | None = setting("draft.num_attention_heads")
@@ -230,7 +231,7 @@ class DraftSettings(Stage):
         """The keys DraftConfig.from_target takes: the kind, and the sizes it overrides the target's with
         (None: the target's)."""
         return {k: getattr(self, k) for k in ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                              "head_dim", "norm_before_residual")}
+                                              "head_dim", "norm_before_residual", "mask_token_id")}
 
 
 @dataclass(frozen=True)

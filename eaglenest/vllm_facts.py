@@ -153,11 +153,15 @@ SPECULATIVE_CONFIG_FLAGS = ("--speculative-config", "--speculative_config")
 
 
 def speculative_config(method: str, k: int, draft_dir=None, ngram=None) -> dict | None:
-    """vLLM's --speculative-config for a run: None (target alone), eagle3 or ngram."""
+    """vLLM's --speculative-config for a run: None (target alone), eagle3, peagle or ngram. ``peagle``
+    (a P-EAGLE draft) is vLLM's eagle3 method with ``parallel_drafting``, all k tokens drafted in one
+    forward (``config/speculative.py``; what vLLM's own speculators loader makes of
+    ``speculators_model_type: peagle``, ``transformers_utils/configs/speculators/base.py``)."""
     if method == "baseline":
         return None
-    if method == "eagle3":
-        return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+    if method in ("eagle3", "peagle"):
+        spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+        return {**spec, "parallel_drafting": True} if method == "peagle" else spec
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, **(ngram or {})}
     raise ValueError(f"unknown speculative method {method!r}")

@@ -73,7 +73,8 @@ def test_every_schema_default_reaches_the_code_unchanged():
     # Numbers may come back as floats (0 and 0.0 must fingerprint alike); the values are the same.
     assert traces._generation_settings({}) == resolved["generation"]
     assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
-    shape = ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual")
+    shape = ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual",
+             "mask_token_id")
     assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
                                         **{k: resolved["draft"][k] for k in shape}}
     # The null defaults fall back to generation's: 0 and its temperature, its top_p.

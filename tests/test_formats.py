@@ -23,9 +23,9 @@ from eaglenest.util import save_safetensors
 from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
 from tests.support.config import TOY_TARGET, eager, write_config
-from tests.support.measure import K, measure_draft
+from tests.support.measure import K, measure_draft, offline_and_served, train_on_run
 from tests.support.workflow import run_snakemake
-from tests.test_train import run
+from tests.test_train import CONFIG, run
 
 DRAFT_VOCAB = 48  # of the toy's 105 tokens
 WITHIN = 0.10  # vLLM's acceptance length against the offline prediction
@@ -163,6 +163,47 @@ def test_speculators_config_names_the_verifier_as_given():
     assert draft_config_from_json(config) == cfg
 
 
+@pytest.fixture(scope="module")
+def peagle_both(data, tmp_path_factory):
+    """A small trained P-EAGLE checkpoint (draft.kind peagle) exported in both formats."""
+    out = tmp_path_factory.mktemp("peagle_formats")
+    run(data, out, {**CONFIG, "kind": "peagle", "max_steps": 2})
+    settings = ExportSettings.defaults().replace(verifier="org/tiny-target", k=4)
+    export_draft(out / "checkpoint.safetensors", out / "vllm", settings, speculators_dir=out / "speculators",
+                 card={"target": "org/tiny-target"})
+    return out
+
+
+def test_a_peagle_draft_is_served_with_parallel_drafting_from_either_format(peagle_both):
+    """vLLM's own speculators code reads the P-EAGLE speculators config as eagle3 with parallel drafting
+    and the mask token as pard_token; both formats read back as the same parallel draft; vLLM's format is
+    served with parallel_drafting in the speculative config; the cards say what the draft is."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    spec_config, spec_tensors = load_exported(peagle_both / "speculators")
+    vllm_config, vllm_tensors = load_exported(peagle_both / "vllm")
+    assert spec_config["speculators_model_type"] == "peagle" and spec_config["mask_token_id"] == 99
+    assert SpeculatorsConfig.extract_vllm_speculative_config(spec_config) == {
+        "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(spec_config)))
+    assert parsed["architectures"] == ["PeagleLlamaForCausalLM"] and parsed["pard_token"] == 99
+    assert "mask_token_id" not in spec_config["transformer_layer_config"]  # one place: the top level
+    assert vllm_config["mask_token_id"] == 99 and vllm_config["parallel_drafting"] is True
+    read = draft_config_from_json(spec_config)
+    assert read == draft_config_from_json(vllm_config) and (read.kind, read.mask_token_id) == ("peagle", 99)
+    assert vllm_tensors["mask_hidden"].shape == spec_tensors["mask_hidden"].shape == (1, 3 * 64)
+    from eaglenest.validation.report import export_differences
+
+    ckpt = peagle_both / "checkpoint.safetensors"
+    assert export_differences(peagle_both / "vllm", ckpt) == [] == export_differences(peagle_both / "speculators", ckpt)
+    _, spec, _ = how_to_serve("vllm", peagle_both / "vllm", 3, "org/tiny-target")
+    assert spec == {"method": "eagle3", "model": str((peagle_both / "vllm").resolve()), "num_speculative_tokens": 3,
+                    "parallel_drafting": True}
+    card = (peagle_both / "vllm" / "README.md").read_text()
+    assert "# P-EAGLE draft for org/tiny-target" in card and '"parallel_drafting":true' in card
+    assert "p-eagle" in yaml.safe_load(card.split("---")[1])["tags"]
+
+
 @pytest.mark.parametrize("fmt, dirs", [("both", ["draft/checkpoint", "draft/speculators"]),
                                        ("speculators", ["draft/speculators"]), ("vllm", ["draft/checkpoint"])])
 def test_export_format_picks_the_draft_dirs(tmp_path, fmt, dirs):
@@ -255,3 +296,28 @@ def test_vllm_reads_d2t(validated):
     assert wrong["acceptance_length"] < 0.75 * offline, summary
     (wd / "formats.json").write_text(json.dumps({"offline": offline, "wrong_d2t": wrong["acceptance_length"],
                                                  **{f: r["acceptance_length"] for f, r in report["formats"].items()}}))
+
+
+@pytest.fixture(scope="module")
+def peagle_served(default_run):
+    """A P-EAGLE draft trained on the default run's states (its training settings, draft.kind peagle),
+    predicted offline and served in real vLLM with parallel drafting: one vLLM start."""
+    wd, cfg, _ = default_run
+    draft_dir = train_on_run(wd, cfg, wd / "peagle", kind="peagle")
+    offline, served = offline_and_served("peagle", wd, cfg, draft_dir, server=eager(cfg["server"]))
+    (wd / "peagle" / "served.json").write_text(json.dumps({"offline": offline, "vllm": served}, default=str))
+    return offline, served
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(3600)  # the session-wide default run, when these run first
+def test_vllm_serves_a_peagle_draft_with_parallel_drafting_as_predicted(peagle_served):
+    """vLLM 0.32 drafts with the P-EAGLE draft in one pass per step (parallel_drafting in the speculative
+    config validation builds): its counters move at every drafted position, and its acceptance stays
+    within 10% of the offline prediction, which proposes with the same one-forward layout."""
+    offline, served = peagle_served
+    summary = f"offline {offline['acceptance_length']:.3f} {offline['per_position']}, vLLM {served['acceptance_length']:.3f} {served['per_position']}"
+    assert served["speculative_config"]["parallel_drafting"] is True, served["speculative_config"]
+    assert served["drafts"] > 0 and offline["acceptance_length"] > 1.5, summary  # a draft worth checking
+    assert all(p > 0 for p in served["per_position"]), summary  # the masked positions draft accepted tokens too
+    assert within_prediction(served["acceptance_length"], offline["acceptance_length"]), summary

@@ -132,8 +132,10 @@ def vllm_style_drafts(model, ids, aux, t, steps, own_tokens=False):
 
 
 EAGLE31 = KINDS["eagle3.1"]
+PEAGLE = {**KINDS["peagle"], "mask_token_id": 7}
+SEQUENTIAL = {kind: flags for kind, flags in KINDS.items() if not flags["parallel_drafting"]}
 # speculators' trainer's EAGLE-3 default: one input_norm over fc's whole input, the normed output fed forward
-VARIANTS = {**KINDS, "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+VARIANTS = {**SEQUENTIAL, "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
 
 
 @pytest.mark.parametrize("kind", sorted(VARIANTS))
@@ -411,3 +413,153 @@ def test_split_step_grads_leave_nothing_behind():
         counts.append(live_tensors())
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert counts[1] == counts[3], counts
+
+
+# ----------------------------------------------------------------------------- P-EAGLE (parallel drafting)
+
+
+def vllm_style_parallel(model, ids, aux, t, k):
+    """What vLLM computes when it drafts after target position t with parallel drafting
+    (llm_base_proposer.py, set_inputs_first_pass): ONE causal pass over the prefix (token s+1 with the
+    target's fused features at s, rope position s, for s = 0..t; the last of them is the bonus token)
+    and k-1 slots of the mask token with ``combine_hidden_states(mask_hidden)`` at positions t+1..t+k-1.
+    Returns the normed outputs at t..t+k-1 (the k drafted tokens' states) and their greedy target ids."""
+    cfg = model.config
+    B = ids.shape[0]
+    mask_embed = model.embed_weight[cfg.mask_token_id].expand(B, k - 1, H)
+    embeds = torch.cat([F.embedding(ids[:, 1 : t + 2], model.embed_weight), mask_embed], dim=1)
+    hidden = torch.cat([vllm_combine(model, aux[:, : t + 1]), vllm_combine(model, model.mask_hidden).expand(B, k - 1, H)], dim=1)
+    cos, sin = model.rotary_emb(hidden, torch.arange(t + k)[None])
+    causal = torch.ones(t + k, t + k, dtype=torch.bool).tril()
+    out, _ = model.midlayer(embeds, hidden, cos, sin, [], causal)
+    normed = rms_norm(out[:, t:], model.norm.weight, cfg.rms_norm_eps)
+    return normed, model.draft_ids()[(normed @ model.lm_head.weight.T).argmax(-1)]
+
+
+def test_peagle_has_vllms_mask_hidden_and_its_mask_token():
+    model = make_model(**PEAGLE)
+    assert model.config.kind == "peagle" and model.config.mask_token_id == 7
+    shapes = tensor_shapes(model.config)
+    assert shapes["mask_hidden"] == (1, 3 * H)  # vLLM's buffer: [1, n_aux·Ht]
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes  # mask_embed is not saved
+    torch.testing.assert_close(model.mask_embed[0], model.embed_weight[7])  # the target's row, frozen
+    assert "mask_hidden" not in tensor_shapes(make_model().config)
+    with pytest.raises(ValueError, match="mask token id"):
+        make_model(**KINDS["peagle"])  # no mask token
+    with pytest.raises(ValueError, match="mask token id"):
+        make_model(**{**PEAGLE, "mask_token_id": V})  # outside the target's vocabulary
+
+
+def test_peagle_mask_token_defaults_to_the_targets_last_id():
+    from transformers import LlamaConfig
+
+    from eaglenest.states.target import TargetFacts
+
+    info = TargetFacts.of(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2), [1, 2, 3], "t")
+    assert DraftConfig.from_target(info, VD, "peagle").mask_token_id == V - 1
+    assert DraftConfig.from_target(info, VD, "peagle", mask_token_id=3).mask_token_id == 3
+    assert DraftConfig.from_target(info, VD, "eagle3", mask_token_id=3).mask_token_id is None  # sequential: none
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_peagle_one_forward_equals_vllms_parallel_drafting(attention):
+    """Every position j of the training forward at base t is what vLLM's one parallel-drafting pass
+    computes for its j-th drafted token after target position t: on the flex path one layer call over
+    all positions (a dense mask on CPU), on the sdpa path the TTT's steps fed the mask's inputs."""
+    model = make_model(**PEAGLE)
+    model.runtime = Runtime(attention=attention)
+    ids, aux = inputs(T=16)
+    with torch.no_grad():
+        outs = model(ids, aux, ttt_length=J)
+        for t in (0, 5, 11):
+            ref, _ = vllm_style_parallel(model, ids, aux, t, J)
+            for j in range(J):
+                torch.testing.assert_close(outs[j][:, t], ref[:, j], rtol=1e-5, atol=1e-5)
+
+
+def test_peagle_positions_read_the_mask_not_the_chain():
+    """Position j at base t sees the target's states up to t and the token at t+1 only: the tokens
+    EAGLE-3's step j would read (t+2..t+1+j) change nothing, the mask token and mask_hidden do."""
+    model = make_model(**PEAGLE)
+    ids, aux = inputs(T=14)
+    with torch.no_grad():
+        ref = model(ids, aux, ttt_length=J)
+        cut = 6
+        ids2, aux2 = ids.clone(), aux.clone()
+        ids2[:, cut + 2 :] = (ids2[:, cut + 2 :] + 7) % V
+        aux2[:, cut + 1 :] += torch.randn_like(aux2[:, cut + 1 :])
+        for j, out in enumerate(model(ids2, aux2, ttt_length=J)):
+            torch.testing.assert_close(out[:, : cut + 1], ref[j][:, : cut + 1], rtol=0, atol=1e-5)
+        ids3 = ids.clone()
+        ids3[:, cut + 1] = (ids3[:, cut + 1] + 7) % V  # the token at t+1: every position of base t reads it
+        assert all(not torch.allclose(out[:, cut], ref[j][:, cut]) for j, out in enumerate(model(ids3, aux, ttt_length=J)))
+        model.mask_hidden.add_(1.0)
+        moved = model(ids, aux, ttt_length=J)
+        torch.testing.assert_close(moved[0], ref[0])  # position 0 is EAGLE-3's step 0
+        assert all(not torch.allclose(moved[j], ref[j]) for j in range(1, J))
+
+
+def test_peagle_propose_drafts_what_vllm_would():
+    model = make_model(**PEAGLE)
+    ids, aux = inputs(B=1, T=16)
+    proposals = model.propose(ids[0], aux[0], J)
+    with torch.no_grad():
+        for t in (0, 5, 14):
+            _, tokens = vllm_style_parallel(model, ids, aux, t, J)
+            assert proposals[t].tolist() == tokens[0].tolist(), t
+    assert proposals[15].tolist() == [-1] * J
+
+
+def test_peagle_loss_weighs_positions_as_its_recipe():
+    """A P-EAGLE draft's positions weigh max(0.7**j, 0.2) (speculators' COD shares), whatever decay is
+    given; the one-call flex layout with the fused loss and recomputation gives the reference (the
+    TTT's steps fed the mask's inputs) loss and gradients."""
+    from eaglenest.draft.losses import COD_FLOOR, COD_RATIO
+
+    model = make_model(**PEAGLE).train()
+    B, T, Jn = 2, 20, 6  # deep enough for the floor to act
+    ids, aux = inputs(B=B, T=T)
+    rows = torch.arange(1, B * T)
+    rows = rows[rows % T > 0]
+    targets = {"rows": rows, "probs": torch.softmax(torch.randn(len(rows), VD), -1),
+               "argmax": model.draft_ids()[torch.randint(0, VD, (len(rows),))], "in_draft": torch.rand(len(rows)) > 0.2}
+    with torch.no_grad():
+        outs = model(ids, aux, ttt_length=Jn)
+        loss, _ = model(ids, aux, targets, ttt_length=Jn, decay=0.3)
+    want = ttt_loss(outs, model.lm_head.weight, model.draft_ids(), targets, COD_RATIO, floor=COD_FLOOR)[0]
+    torch.testing.assert_close(loss, want)
+    assert not torch.allclose(loss, ttt_loss(outs, model.lm_head.weight, model.draft_ids(), targets, COD_RATIO)[0])
+    results = []
+    for runtime in (Runtime(), Runtime(attention="flex", fused_loss=True, recompute=True)):
+        model.runtime = runtime
+        model.zero_grad(set_to_none=True)
+        loss, stats = model(ids, aux, targets, ttt_length=Jn, chunk=16)
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()]))
+    (l0, s0, g0), (l1, s1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-3)
+    assert model.mask_hidden.grad.abs().sum() > 0  # the mask state learns
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the reference path, on purpose
+def test_peagle_block_mask_is_the_dense_mask():
+    """The flex BlockMask the GPU path uses admits exactly the dense mask's pairs, and flex attention
+    under it gives SDPA's output (forward, on CPU; the kernel runs on the GPU in benchmarks/gpu_check.py)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eaglenest.draft.ttt import parallel_block_mask, parallel_mask, ttt_mask
+
+    T, Jn = 12, 3
+    dense = parallel_mask(T, Jn)
+    for j in range(Jn):  # step j's rows: ttt_mask(T, j) over the keys of steps <= j, nothing later
+        assert torch.equal(dense[j * T : (j + 1) * T, : (j + 1) * T], ttt_mask(T, j))
+        assert not dense[j * T : (j + 1) * T, (j + 1) * T :].any()
+    block = parallel_block_mask(T, Jn, "cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, Jn * T, 8, generator=g) for _ in range(3))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=block),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=1e-5, atol=1e-5)

@@ -186,6 +186,14 @@ def test_draft_kind_reaches_the_draft_and_retrains_it():
     for settings, on in ((eagle3, False), (eagle31, True)):
         dcfg = draft_config(info, 20, resolve_config(settings.config()))
         assert (dcfg.fc_norm, dcfg.norm_output, dcfg.kind) == (on, on, settings.draft.kind)
+        assert (dcfg.parallel_drafting, dcfg.mask_token_id) == (False, None)
+    # P-EAGLE: parallel drafting, its mask token the target's last id unless draft.mask_token_id names one
+    peagle = TrainSettings.from_config(_with({"draft.kind": "peagle"}))
+    masked = TrainSettings.from_config(_with({"draft.kind": "peagle", "draft.mask_token_id": 7}))
+    assert peagle.fingerprint() != eagle3.fingerprint() and masked.fingerprint() != peagle.fingerprint()
+    for settings, mask in ((peagle, 49), (masked, 7)):
+        dcfg = draft_config(info, 20, resolve_config(settings.config()))
+        assert (dcfg.kind, dcfg.parallel_drafting, dcfg.mask_token_id) == ("peagle", True, mask)
     with pytest.raises(Exception, match="eagle3.2|enum|not one of"):
         _with({"draft.kind": "eagle3.2"})
 

@@ -263,6 +263,34 @@ def test_default_config_trains_on_cpu_with_the_reference_path(data, tmp_path, ca
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
 
 
+def test_a_peagle_draft_trains_its_parallel_positions_and_their_mask(data, tmp_path):
+    """draft.kind peagle through the same training loop: every position's loss falls, mask_hidden
+    learns, the checkpoint carries it and the mask token (the target's last id), and the exported draft
+    proposes what the trained one does (one forward, k tokens)."""
+    from eaglenest.draft.export import export_draft
+    from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.validation.predict import load_exported_draft
+
+    stats = run(data, tmp_path, {**CONFIG, "kind": "peagle", "max_steps": 12})
+    rows = list(csv.DictReader(open(tmp_path / "train_metrics.csv")))
+    for j in range(CONFIG["ttt_length"]):
+        assert float(rows[-1][f"loss_{j}"]) < float(rows[0][f"loss_{j}"]), j
+    tensors, cfg, info, _ = load_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert (cfg.kind, cfg.parallel_drafting, cfg.mask_token_id) == ("peagle", True, info.vocab_size - 1)
+    torch.manual_seed(CONFIG["seed"])
+    start = Eagle3Draft(cfg).mask_hidden.detach()  # the seeded initial value train_draft started from
+    assert tensors["mask_hidden"].shape == start.shape and not torch.allclose(tensors["mask_hidden"], start)
+    assert stats["steps"] == 12
+    export_draft(tmp_path / "checkpoint.safetensors", tmp_path / "export", dtype="float32")
+    head, _ = load_target_head(data["head_path"])
+    draft, _ = load_exported_draft(tmp_path / "export", head["embed_tokens.weight"])
+    trained = Eagle3Draft(cfg)
+    trained.load_state_dict(tensors)
+    trained.set_target(head["embed_tokens.weight"], tensors["d2t"], tensors["t2d"])
+    ids, aux = torch.randint(0, info.vocab_size, (9,)), torch.randn(9, 3 * info.hidden_size)
+    assert torch.equal(draft.propose(ids, aux, 3), trained.propose(ids, aux, 3))
+
+
 def test_bf16_weights_checkpoint_the_fp32_masters_and_resume_exactly(data, tmp_path, monkeypatch):
     """The CUDA default (bf16 weights, optim.MasterAdamW) run on CPU: the checkpoint holds the fp32
     masters, not the bf16 weights, and a run stopped after a saved state resumes to the same result."""

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.draft.config import KINDS, DraftConfig
-from eaglenest.draft.vllm_format import CONFIG_DEFAULTS, SWITCHES, draft_config_from_json, draft_config_json, served_aux_layers
+from eaglenest.draft.vllm_format import (CONFIG_DEFAULTS, SWITCHES, draft_config_from_json, draft_config_json, method_of,
+                                         served_aux_layers)
 from eaglenest.vllm_facts import (check_aux_layers, default_aux_layers, reasoning_of, served_dtype, spec_counters,
                                  speculative_config)
 from tests.support.config import TOY_TARGET
@@ -84,8 +85,10 @@ def test_speculative_configs_are_what_vllm_parses(tmp_path):
     e = speculative_config("eagle3", 3, tmp_path / "d")
     assert e == {"method": "eagle3", "model": str((tmp_path / "d").resolve()), "num_speculative_tokens": 3}
     n = speculative_config("ngram", 3, ngram={"prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    p = speculative_config("peagle", 3, tmp_path / "d")  # P-EAGLE: vLLM's eagle3 with parallel drafting
+    assert p == {**e, "parallel_drafting": True}
     fields = SpeculativeConfig.__dataclass_fields__ if hasattr(SpeculativeConfig, "__dataclass_fields__") else SpeculativeConfig.model_fields
-    assert set(n) <= set(fields) and set(e) <= set(fields)
+    assert set(n) <= set(fields) and set(e) <= set(fields) and set(p) <= set(fields)
 
 
 def test_default_aux_layers():
@@ -110,11 +113,24 @@ DRAFT = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_config_json_reads_back_as_written(kind):
     """Export writes config.json and validation reads it back through the same module: nothing is lost."""
-    draft = dataclasses.replace(DRAFT, **KINDS[kind])
+    parallel = KINDS[kind]["parallel_drafting"]
+    draft = dataclasses.replace(DRAFT, **KINDS[kind], mask_token_id=99 if parallel else None)
     config = draft_config_json(draft, [1, 2, 3], "bfloat16")
     assert draft_config_from_json(config) == draft and draft_config_from_json(config).kind == kind
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is True
     assert config["fc_norm"] is config["norm_output"] is (kind == "eagle3.1")
+    assert config.get("mask_token_id") == (99 if parallel else None)  # the key vLLM's proposer reads
+    assert method_of(config) == ("peagle" if parallel else "eagle3")
+
+
+def test_a_parallel_draft_of_another_tool_is_known_by_its_mask_token():
+    """A config.json without our parallel_drafting key is a P-EAGLE draft where it names a mask token
+    under any key vLLM's proposer reads (speculators' loader writes pard_token)."""
+    plain = draft_config_json(DRAFT, [1, 2, 3])
+    assert draft_config_from_json(plain).parallel_drafting is False and method_of(plain) == "eagle3"
+    for key in ("mask_token_id", "pard_token", "ptd_token_id"):
+        read = draft_config_from_json({**plain, key: 5})
+        assert (read.parallel_drafting, read.mask_token_id, read.kind) == (True, 5, "peagle"), key
 
 
 def test_absent_keys_read_as_vllm_defaults_them():
@@ -181,10 +197,12 @@ def vllm_process():
         parallel_state.destroy_distributed_environment()
 
 
-def _vllm_draft(draft_dir, parallel_state):
+def _vllm_draft(draft_dir, parallel_state, k=2):
     """The exported draft in vLLM's own ``Eagle3LlamaForCausalLM``, in this process (no server, no engine):
-    config.json parsed by vLLM as the toy target's eagle3 speculative config, the tensors through the
-    model's ``load_weights`` and vLLM's ``process_weights_after_loading``. Returns ``(model, vllm_config)``."""
+    config.json parsed by vLLM as the toy target's speculative config for the draft's kind (eagle3, with
+    parallel drafting for P-EAGLE: ``vllm_facts.speculative_config``), the tensors through the model's
+    ``load_weights`` and vLLM's ``process_weights_after_loading``. Returns ``(model, vllm_config)``."""
+    import json
     import socket
 
     from safetensors.torch import load_file
@@ -193,8 +211,9 @@ def _vllm_draft(draft_dir, parallel_state):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+    method = method_of(json.loads((Path(draft_dir) / "config.json").read_text()))
     args = EngineArgs(model=str(TOY_TARGET), dtype="float32", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
-                      speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 2})
+                      speculative_config=speculative_config(method, k, draft_dir))
     vllm_config = args.create_engine_config()
     with set_current_vllm_config(vllm_config):
         if not parallel_state.model_parallel_is_initialized():
@@ -212,8 +231,10 @@ def _vllm_draft(draft_dir, parallel_state):
     return model.eval(), vllm_config
 
 
-# speculators' trainer's EAGLE-3 default (one input_norm over fc's whole input, the normed output fed forward)
-VARIANTS = {**KINDS, "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+# speculators' trainer's EAGLE-3 default (one input_norm over fc's whole input, the normed output fed forward);
+# the parallel kind (P-EAGLE) has its own test below
+VARIANTS = {**{kind: flags for kind, flags in KINDS.items() if not flags["parallel_drafting"]},
+            "speculators-default": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
 
 
 @pytest.mark.parametrize("kind", sorted(VARIANTS))
@@ -270,3 +291,68 @@ def test_vllm_runs_an_exported_draft_of_each_kind_as_we_do(kind, vllm_process, t
         torch.testing.assert_close(normed1[0], ttt[1][0, T - 1], rtol=1e-5, atol=1e-5)
         greedy = vllm.compute_logits(normed1).argmax(-1)
     assert greedy.tolist() == ours.draft_ids()[ours.lm_head(ttt[1][0, T - 1]).argmax(-1)].view(1).tolist()
+
+
+def test_vllm_runs_an_exported_peagle_draft_in_one_pass_as_we_do(vllm_process, tmp_path):
+    """An exported P-EAGLE draft loaded into vLLM 0.32's own EAGLE-3 model under parallel drafting: vLLM
+    loads mask_hidden, its proposer's own code takes our mask token from config.json and fuses mask_hidden
+    through combine_hidden_states, and ONE forward over the inputs its proposer builds (the prefix with
+    the bonus token last, then k-1 mask slots at the next positions) gives our one-forward outputs at
+    every drafted position, and the same greedy tokens as our offline proposal."""
+    import types
+
+    from transformers import AutoConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    from eaglenest.draft.export import write_draft
+    from eaglenest.draft.model import Eagle3Draft
+    from eaglenest.draft.vocab import maps_from_ids
+    from eaglenest.states.target import TargetFacts
+    from eaglenest.validation.predict import load_exported_draft
+
+    k = 3
+    target = AutoConfig.from_pretrained(TOY_TARGET)
+    info = TargetFacts.of(target, [1, 14, 25], str(TOY_TARGET))
+    cfg = DraftConfig.from_target(info, 48, "peagle")
+    assert cfg.mask_token_id == target.vocab_size - 1  # the default: the target's last id
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    for p in draft.parameters():  # every norm weight away from 1, mask_hidden away from its start
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.05)
+    torch.nn.init.normal_(draft.mask_hidden, std=1.0)
+    d2t, t2d = maps_from_ids(torch.arange(0, 96, 2), target.vocab_size)
+    draft.set_target(torch.randn(target.vocab_size, target.hidden_size), d2t, t2d)
+    write_draft(tmp_path, cfg, info, draft.state_dict(), None, None, "float32")
+    ours, _ = load_exported_draft(tmp_path, draft.embed_weight)
+    vllm, vllm_config = _vllm_draft(tmp_path, vllm_process, k=k)
+    spec = vllm_config.speculative_config
+    assert spec.parallel_drafting and vllm.use_parallel_drafting
+    torch.testing.assert_close(vllm.mask_hidden, draft.mask_hidden.detach())  # loaded, not left at zeros
+    # vLLM's proposer's own reading of the mask token and of the masked positions' hidden state
+    proposer = types.SimpleNamespace(draft_model_config=spec.draft_model_config, pass_hidden_states_to_model=True,
+                                     hidden_size=cfg.hidden_size, dtype=torch.float32, device=torch.device("cpu"))
+    llm_base_proposer.SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
+    assert proposer.parallel_drafting_token_id == cfg.mask_token_id
+
+    T = 10
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, target.vocab_size - 1, (T + 1,), generator=g)
+    aux = torch.randn(T + 1, 3 * target.hidden_size, generator=g)
+
+    def embed(ids):
+        return F.embedding(ids, draft.embed_weight)
+
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        masked_hidden = vllm.combine_hidden_states(vllm.mask_hidden.view(-1))  # what load_model stores
+        torch.testing.assert_close(masked_hidden, ours.combine(ours.mask_hidden)[0], rtol=1e-5, atol=1e-5)
+        ttt = ours(seq[None], aux[None], ttt_length=k)
+        # after the target verified tokens 0..T-1 and sampled token T: tokens 1..T (T the bonus) at
+        # positions 0..T-1, then k-1 mask tokens at T..T+k-2 (llm_base_proposer.set_inputs_first_pass)
+        ids = torch.cat([seq[1:], torch.full((k - 1,), proposer.parallel_drafting_token_id)])
+        hidden = torch.cat([vllm.combine_hidden_states(aux[:T]), masked_hidden.expand(k - 1, -1)])
+        normed, _ = vllm.model(ids, torch.arange(T + k - 1), hidden, embed(ids))
+        for j in range(k):
+            torch.testing.assert_close(normed[T - 1 + j], ttt[j][0, T - 1], rtol=1e-5, atol=1e-5)
+        greedy = vllm.compute_logits(normed[T - 1 :]).argmax(-1)
+    assert greedy.tolist() == ours.propose(seq, aux, k)[T - 1].tolist()

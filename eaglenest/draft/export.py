@@ -15,14 +15,15 @@ from ..settings import ExportSettings
 from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .model import Eagle3Draft
-from .vllm_format import (draft_config_json, flat_config, format_tensors, is_speculators, serve_line,
-                          speculators_config_json, verifier_of, vllm_tensors)
+from .vllm_format import (draft_config_from_json, draft_config_json, flat_config, format_tensors, is_speculators,
+                          method_of, serve_line, speculators_config_json, verifier_of, vllm_tensors)
 
 
 def front_matter(config, card) -> str:
     """The Hugging Face model card metadata (YAML between ``---`` lines)."""
     target = card.get("target")
     tags = ["eagle3", "speculative-decoding", "eaglenest"] + (["speculators"] if is_speculators(config) else [])
+    tags += ["p-eagle"] if draft_config_from_json(config).parallel_drafting else []
     lines = ["---"]
     if target:
         lines.append(f"base_model: {json.dumps(str(target))}")
@@ -36,17 +37,27 @@ def front_matter(config, card) -> str:
     return "\n".join(lines + ["---", ""])
 
 
+# The card's title and default description by ``vllm_format.method_of`` the draft.
+CARD_TITLES = {
+    "eagle3": ("EAGLE-3", "A one-layer EAGLE-3 speculative-decoding draft made by eaglenest."),
+    "peagle": ("P-EAGLE", "A one-layer P-EAGLE speculative-decoding draft made by eaglenest: it drafts all its "
+                          "tokens in one forward pass (vLLM's parallel drafting)."),
+}
+
+
 def model_card(config, info, card, train=None, k=3) -> str:
     """README.md: front matter, what the draft is for, how it was made, how to serve it."""
     card = dict(card or {})
     target = card.get("target", info.target)
     flat = flat_config(config)
     fmt = "speculators" if is_speculators(config) else "vllm"
+    method = method_of(config)
+    name, about = CARD_TITLES[method]
     lines = [
         front_matter(config, {**card, "target": target}),
-        f"# EAGLE-3 draft for {target}" + (" (speculators format)" if fmt == "speculators" else ""),
+        f"# {name} draft for {target}" + (" (speculators format)" if fmt == "speculators" else ""),
         "",
-        card.get("description", "A one-layer EAGLE-3 speculative-decoding draft made by eaglenest."),
+        card.get("description", about),
         "",
         "| | |",
         "|---|---|",
@@ -58,6 +69,8 @@ def model_card(config, info, card, train=None, k=3) -> str:
         f"{flat['num_attention_heads']} heads / {flat['num_key_value_heads']} kv |",
         f"| dtype | {flat['dtype']} |",
     ]
+    if method == "peagle":
+        lines.append(f"| mask token (positions not yet drafted) | {draft_config_from_json(config).mask_token_id} |")
     for key, value in card.items():
         if key not in ("target", "description", "license"):
             lines.append(f"| {key} | {value} |")
@@ -71,7 +84,7 @@ def model_card(config, info, card, train=None, k=3) -> str:
         ]
     else:
         lines.append("| training | none: randomly initialised (a baseline) |")
-    lines += ["", "Serve with vLLM:", "", "```", serve_line(fmt, target, k, verifier=verifier_of(config)), "```", ""]
+    lines += ["", "Serve with vLLM:", "", "```", serve_line(fmt, target, k, verifier=verifier_of(config), method=method), "```", ""]
     if fmt == "speculators":
         lines += [f"vLLM starts the verifier named in config.json (`{verifier_of(config)}`) with this draft "
                   "attached; publish it with the verifier's hub name there.", ""]

@@ -1,6 +1,6 @@
 """The TTT losses: soft cross-entropy against the target's distribution restricted to the draft
-vocabulary, step weights decay^j, plain (``ttt_loss``) or with lm_head and the gradient fused so no
-logits are kept (``ttt_loss_fused``)."""
+vocabulary, step weights decay^j (at least ``floor``), plain (``ttt_loss``) or with lm_head and the
+gradient fused so no logits are kept (``ttt_loss_fused``)."""
 
 import functools
 
@@ -10,6 +10,11 @@ import torch.nn.functional as F
 from .fp8 import E5M2, head_fp8, input_cast
 from .ttt import GatherRows, ttt_loss_plan
 
+# speculators' P-EAGLE recipe (models/peagle/data.py, COD sampling, its defaults down_sample_ratio 0.7 and
+# down_sample_ratio_min 0.2) trains position j at a share max(0.7**j, 0.2) of the sequence's positions and
+# averages the loss over every row it sampled; running every position everywhere, that share is j's weight:
+# ``ttt_loss``'s decay COD_RATIO with floor COD_FLOOR.
+COD_RATIO, COD_FLOOR = 0.7, 0.2
 
 
 def soft_cross_entropy(hidden, weight, target_probs, row_weight, chunk=4096):
@@ -34,7 +39,7 @@ def soft_cross_entropy(hidden, weight, target_probs, row_weight, chunk=4096):
     return sum(p[0] for p in pieces), torch.cat([p[1] for p in pieces])
 
 
-def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
+def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, floor=0.0):
     """Weighted soft cross-entropy of the TTT steps against the target's distribution.
 
     ``targets`` (from the target's last hidden state, computed once per batch, see train.py), over
@@ -44,7 +49,8 @@ def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
         argmax    int64 [Nq]      the target's top-1 over its full vocabulary (a target id)
         in_draft  bool  [Nq]      argmax is in the draft vocabulary: positions without it carry no loss
     Step j at base position t predicts what the target predicts at q = t+1+j.
-    Returns ``(loss, stats)``: loss = sum_j decay^j * mean CE_j; stats [J, 4] = CE sum, loss rows,
+    Returns ``(loss, stats)``: loss = sum_j w_j * mean CE_j with w_j = max(decay^j, floor) (``floor``
+    above 0: P-EAGLE's ``COD_FLOOR``); stats [J, 4] = CE sum, loss rows,
     top-1 hits, rows (accuracy counts every row, in the draft vocabulary or not).
     """
     B, T, H = outs[0].shape
@@ -56,7 +62,7 @@ def ttt_loss(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096):
         w = targets["in_draft"][sel].float()
         ce, top = soft_cross_entropy(out.reshape(B * T, H)[rows[sel] - 1 - j], lm_head_weight, targets["probs"][sel], w, chunk)
         hits = (draft_ids[top] == targets["argmax"][sel]).sum()
-        loss = loss + decay**j * ce / w.sum().clamp(min=1)
+        loss = loss + max(decay**j, floor) * ce / w.sum().clamp(min=1)
         stats.append(torch.stack([ce.detach(), w.sum(), hits.float(), torch.tensor(float(sel.sum()), device=w.device)]))
     return loss, torch.stack(stats)
 
@@ -172,7 +178,7 @@ def _compiled_soft_ce_grad():
     return torch.compile(_soft_ce_grad, dynamic=False, fullgraph=True)
 
 
-def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False, fp8=False):
+def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=4096, compiled=False, fp8=False, floor=0.0):
     """``ttt_loss`` computed in one pass over all steps' rows (``_LinearSoftCE``): the same loss and
     stats, no logits kept for backward, no host synchronisation when ``targets["plan"]``
     (``ttt_loss_plan``, made on the host) is given. ``fp8`` (a head ``fp8.use_fp8`` marked):
@@ -189,7 +195,7 @@ def ttt_loss_fused(outs, lm_head_weight, draft_ids, targets, decay=0.8, chunk=40
         return torch.zeros(J, device=x.device, dtype=torch.float32).index_add_(0, step, x)
 
     w_sum = per_step(w)
-    decay_j = decay ** torch.arange(J, device=w.device, dtype=torch.float32)
+    decay_j = (decay ** torch.arange(J, device=w.device, dtype=torch.float32)).clamp(min=floor)
     row_weight = w * (decay_j / w_sum.clamp(min=1))[step]
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     need_w = torch.is_grad_enabled() and lm_head_weight.requires_grad

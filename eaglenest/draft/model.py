@@ -26,6 +26,15 @@ token at t+1+j, the previous step's ``next`` at t (the fused target features whe
 position t+j (vLLM advances the position one per draft step); it attends to step 0's keys at
 positions <= t and to its own chain's keys at t from steps 1..j, exactly the keys vLLM's KV cache
 holds when it drafts that token, and to nothing later.
+
+P-EAGLE (``parallel_drafting``, ``config.KINDS["peagle"]``) keeps that layout and drops the chain's
+dependence: position j >= 1 at base t reads the mask token's embedding (``mask_token_id``, the target's
+row) and ``h = fc(mask_hidden)`` (a learned [1, n_aux·Ht] stand-in for the aux states, through
+``combine`` like them) at rope position t+j, instead of the token at t+1+j and step j-1's output. So
+all positions run in one forward (``_parallel``), as vLLM's proposer runs them
+(``v1/spec_decode/llm_base_proposer.py``, ``set_inputs_first_pass``: the bonus token at t, then k-1
+slots of ``parallel_drafting_token_id`` with ``combine_hidden_states(mask_hidden)``, positions t+1..,
+one causal pass over the KV cache).
 """
 
 
@@ -40,16 +49,18 @@ from torch.utils.checkpoint import checkpoint
 from .config import DraftConfig
 from .fp8 import weight_casts
 from .layers import DecoderLayer, RMSNorm, project
-from .losses import ttt_loss, ttt_loss_fused
-from .ttt import (GatherRows, StepGrads, StepWeights, causal_block_mask, mark_chains_dynamic, token_embeds_ids,
-                  ttt_block_masks, ttt_chains, ttt_mask)
+from .losses import COD_FLOOR, COD_RATIO, ttt_loss, ttt_loss_fused
+from .ttt import (GatherRows, StepGrads, StepWeights, causal_block_mask, mark_chains_dynamic, parallel_block_mask,
+                  parallel_mask, parallel_positions, token_embeds_ids, ttt_block_masks, ttt_chains, ttt_mask)
 from .vllm_format import draft_to_target_ids
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """How the TTT runs: the same model and losses either way. The defaults are the reference path;
-    ``train.resolve_runtime`` picks the device's (on CUDA: the flex path, compiled and fused)."""
+    ``train.resolve_runtime`` picks the device's (on CUDA: the flex path, compiled and fused). A P-EAGLE
+    draft (``Eagle3Draft._parallel``) runs its positions in one layer call on the flex path and as the
+    dense TTT steps on the sdpa path: of these only ``attention``, ``recompute`` and ``fused_loss`` apply."""
 
     attention: str = "sdpa"
     """"sdpa": a dense boolean mask, keys concatenated step by step (any device); "flex": fixed-shape
@@ -107,6 +118,11 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if cfg.parallel_drafting:
+            # vLLM's buffer of this name is [1, n_aux·Ht] (llama_eagle3.py); speculators starts it at randn
+            self.mask_hidden = nn.Parameter(torch.randn(1, cfg.num_aux_layers * cfg.target_hidden_size))
+            # the target's embedding of mask_token_id, frozen and not saved like the table (set_target)
+            self.register_buffer("mask_embed", torch.empty(0, cfg.hidden_size), persistent=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.arange(cfg.target_vocab_size) < cfg.draft_vocab_size)  # matches d2t = 0
         # The target's embedding (set_target): frozen, shared by vLLM at serving time, so neither
@@ -128,17 +144,29 @@ class Eagle3Draft(nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
 
-    def set_target(self, embed_weight, d2t, t2d, lm_head_weight=None, norm_weight=None):
+    def set_target(self, embed_weight, d2t, t2d, lm_head_weight=None, norm_weight=None, keep_embedding=True):
         """Install the target's embedding and the vocabulary maps; optionally start the head from the
-        target's (its lm_head rows of the draft vocabulary, its final norm)."""
+        target's (its lm_head rows of the draft vocabulary, its final norm). ``keep_embedding`` False:
+        only the mask token's row is kept (P-EAGLE), the caller looks the tokens' embeddings up itself
+        (train.py does, on the host) and passes them as ``embeds``."""
         with torch.no_grad():
-            self.embed_weight = embed_weight.detach().to(self.embed_weight.device).clone()
+            self.set_embedding(embed_weight, keep_embedding)
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
             if lm_head_weight is not None:
                 self.lm_head.weight.copy_(lm_head_weight[self.draft_ids()])
             if norm_weight is not None:
                 self.norm.weight.copy_(norm_weight)
+
+    def set_embedding(self, embed_weight, keep=True):
+        """The target's token embedding [V, H] (kept only where ``keep``), and a P-EAGLE draft's mask
+        token row of it."""
+        with torch.no_grad():
+            if self.config.parallel_drafting:
+                self.mask_embed = embed_weight[self.config.mask_token_id : self.config.mask_token_id + 1].detach().to(
+                    self.mask_embed.device).clone()
+            table = embed_weight if keep else embed_weight[:0]
+            self.embed_weight = table.detach().to(self.embed_weight.device).clone()
 
     def step_mask(self, T, step, device):
         return ttt_mask(T, step, device)
@@ -166,15 +194,20 @@ class Eagle3Draft(nn.Module):
         """Training-time test over ``input_ids`` [B, T] and the target's ``aux_hidden`` [B, T, 3·Ht].
 
         Without ``targets``: the normed output of every step, a list of ``ttt_length`` [B, T, H].
-        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``. ``embeds`` [B, T+ttt_length-1, H]:
-        the target's embeddings of ``token_embeds_ids(input_ids, ttt_length)``, when the caller
-        looks them up itself (train.py does, on the host, so the table stays off the GPU).
+        With ``targets`` (see ``ttt_loss``): ``(loss, stats)``, step j weighing ``decay``**j (a P-EAGLE
+        draft's position j: the recipe's max(0.7**j, 0.2), ``losses.COD_RATIO``). ``embeds``
+        [B, T+ttt_length-1, H]: the target's embeddings of ``token_embeds_ids(input_ids, ttt_length)``,
+        when the caller looks them up itself (train.py does, on the host, so the table stays off the GPU).
         """
         if embeds is None:
             if self.embed_weight.shape[0] == 0:
                 raise ValueError("Eagle3Draft has no target embedding: call set_target or pass embeds")
             embeds = F.embedding(token_embeds_ids(input_ids, ttt_length), self.embed_weight)
-        if self.runtime.attention == "flex":
+        floor = 0.0
+        if self.config.parallel_drafting:
+            outs = self._parallel(input_ids, aux_hidden, ttt_length, embeds)
+            decay, floor = COD_RATIO, COD_FLOOR  # the P-EAGLE recipe's weights max(0.7**j, 0.2), not decay**j
+        elif self.runtime.attention == "flex":
             chains = None
             if self.runtime.runs_chains and targets is not None and ttt_length > 1:
                 plan = targets.get("plan") or {}
@@ -187,16 +220,56 @@ class Eagle3Draft(nn.Module):
             return outs
         if self.runtime.fused_loss:
             return ttt_loss_fused(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, compiled=self.runtime.compiled,
-                                  fp8=getattr(self.lm_head, "fp8", False))
-        return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk)
+                                  fp8=getattr(self.lm_head, "fp8", False), floor=floor)
+        return ttt_loss(outs, self.lm_head.weight, self.draft_ids(), targets, decay, chunk, floor)
+
+    def masked_inputs(self, B, n, dtype):
+        """What a P-EAGLE draft's positions not yet drafted read, for ``n`` positions of each of ``B``
+        rows: the mask token's embedding and the fused ``mask_hidden``, each [B, n, H]."""
+        if self.mask_embed.shape[0] == 0:
+            raise ValueError("Eagle3Draft (P-EAGLE) has no mask token embedding: call set_target")
+        fused = self.combine(self.mask_hidden.to(dtype))  # [1, H]
+        return self.mask_embed.to(self.fc.weight.dtype).expand(B, n, -1), fused.expand(B, n, -1)
+
+    def _parallel(self, input_ids, aux_hidden, ttt_length, embeds_all):
+        """P-EAGLE: the ``ttt_length`` positions of every base position t in ONE layer call over
+        [B, J·T] (position j of base t at column j·T + t): position 0 is the TTT's step 0 (the token at
+        t+1 from ``embeds_all``, the fused target features at t, rope position t); position j >= 1 reads
+        ``masked_inputs`` at rope position t+j. Each attends to position 0's keys at bases <= t and to its
+        own chain's positions 1..j (``parallel_mask``: the TTT's keys, all steps at once). -> the J
+        positions' normed outputs, each [B, T, H], as ``_ttt_dense`` returns steps.
+
+        Off the flex path the same outputs come from ``_ttt_dense`` step by step (its later steps fed
+        ``masked_inputs``), whose dense masks are J times smaller than [J·T, J·T]."""
+        if self.runtime.attention != "flex":
+            return self._ttt_dense(input_ids, aux_hidden, ttt_length, embeds_all)
+        B, T = input_ids.shape
+        mask_embeds, mask_hidden = self.masked_inputs(B, (ttt_length - 1) * T, aux_hidden.dtype)
+        embeds = torch.cat([embeds_all[:, :T].to(self.fc.weight.dtype), mask_embeds], dim=1)
+        hidden = torch.cat([self.combine(aux_hidden), mask_hidden], dim=1)
+        cos, sin = self.rotary_emb(hidden, parallel_positions(T, ttt_length, input_ids.device).unsqueeze(0))
+        if input_ids.device.type == "cuda":
+            mask = parallel_block_mask(T, ttt_length, str(input_ids.device))
+        else:  # CPU (tests), where flex attention has no backward: the same pattern, dense
+            mask = parallel_mask(T, ttt_length, input_ids.device)
+        layer = functools.partial(self.midlayer, past_kv=(), mask=mask)
+        if self.runtime.recompute and torch.is_grad_enabled():
+            out, _ = checkpoint(layer, embeds, hidden, cos, sin, use_reentrant=False)
+        else:
+            out, _ = layer(embeds, hidden, cos, sin)
+        return list(self.norm(out).split(T, dim=1))
 
     def _ttt_dense(self, input_ids, aux_hidden, ttt_length, embeds_all):
         B, T = input_ids.shape
         hidden = self.combine(aux_hidden)
         base = torch.arange(T, device=input_ids.device)
+        masked = self.masked_inputs(B, T, aux_hidden.dtype) if self.config.parallel_drafting else None
         past, outs = [], []
         for j in range(ttt_length):
-            hidden, normed = self.step(embeds_all[:, j : j + T].to(self.fc.weight.dtype), hidden, base, j, past)  # tokens t+1+j
+            embeds = embeds_all[:, j : j + T]  # tokens t+1+j
+            if masked and j:  # P-EAGLE: the mask's inputs in place of the chain's token and state
+                embeds, hidden = masked
+            hidden, normed = self.step(embeds.to(self.fc.weight.dtype), hidden, base, j, past)
             outs.append(normed)
         return outs
 
@@ -357,7 +430,8 @@ class Eagle3Draft(nn.Module):
         """What vLLM's EAGLE-3 proposer drafts at every position of one sequence: target ids [T, k].
 
         ``input_ids`` [T] int64, ``aux_hidden`` [T, 3·Ht] the target's states at the draft's layer ids.
-        Row t is the chain drafted after the target has verified tokens 0..t and sampled token t+1:
+        Row t is the chain drafted after the target has verified tokens 0..t and sampled token t+1
+        (a P-EAGLE draft: its k positions of ``_parallel``, one forward, the masked ones in place of the chain):
         step 0 takes the target's fused features at t and token t+1 at position t; step j takes this
         chain's own token of step j-1 and step j-1's fed-forward output at position t+j, attending to step 0's
         keys at positions <= t (vLLM's KV cache, always rebuilt from target features at accepted
@@ -368,14 +442,18 @@ class Eagle3Draft(nn.Module):
         T = input_ids.shape[0]
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         ids = torch.cat([input_ids[1:], input_ids.new_zeros(1)]).to(dev).unsqueeze(0)  # token t+1 at row t
-        hidden = self.combine(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
-        base = torch.arange(T, device=dev)
         draft_to_target = self.draft_ids()
-        past, proposals = [], []
-        for j in range(k):
-            hidden, normed = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
-            ids = draft_to_target[(normed @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
-            proposals.append(ids[0])
+        if self.config.parallel_drafting:  # one forward drafts all k: vLLM's parallel drafting
+            outs = self._parallel(ids, aux_hidden.to(dev, dtype).unsqueeze(0), k, F.embedding(ids, self.embed_weight))
+            proposals = [draft_to_target[(normed[0] @ self.lm_head.weight.T).argmax(-1)] for normed in outs]
+        else:
+            hidden = self.combine(aux_hidden.to(dev, dtype)).unsqueeze(0)  # [1, T, H]
+            base = torch.arange(T, device=dev)
+            past, proposals = [], []
+            for j in range(k):
+                hidden, normed = self.step(F.embedding(ids, self.embed_weight).to(dtype), hidden, base, j, past)
+                ids = draft_to_target[(normed @ self.lm_head.weight.T).argmax(-1)]  # [1, T] target ids
+                proposals.append(ids[0])
         out = torch.stack(proposals, dim=1).cpu()
         out[T - 1 :] = -1  # no token t+1 to start from
         return out

@@ -349,7 +349,7 @@ def _build_draft(dcfg, cfg, head, d2t, t2d, device, world):
     # The target's embedding stays in host memory: the loader looks up each batch's rows there
     # (a [V, H] table on the GPU would cost 1-2 GiB at real sizes for a few MB of rows a step).
     embed_table = head["embed_tokens.weight"].to(torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model.set_target(embed_table[:0], d2t, t2d, *init)
+    model.set_target(embed_table, d2t, t2d, *init, keep_embedding=False)  # a P-EAGLE draft keeps its mask token's row
     if cfg["freeze_lm_head"]:
         model.lm_head.weight.requires_grad_(False)
     model.to(device)

@@ -1,6 +1,7 @@
 """Training-time test (TTT) plumbing: which keys each draft step sees (dense masks and flex
 BlockMasks), which positions still carry a scored token (``ttt_chains``), and the per-step gradient
-aliases of ``split_step_grads``."""
+aliases of ``split_step_grads``; the same pattern for all steps at once for P-EAGLE's one forward
+(``parallel_mask``, ``parallel_block_mask``, ``parallel_positions``)."""
 
 import dataclasses
 import functools
@@ -23,6 +24,30 @@ def ttt_mask(T, step, device=None):
     diag = torch.eye(T, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diag] * step, dim=1)
 
+
+
+def parallel_mask(T, J, device=None):
+    """[J·T, J·T] bool: every step's ``ttt_mask`` at once (P-EAGLE's one forward, step j's rows and keys
+    at j·T..(j+1)·T): step 0's keys causally, then the diagonal of each step up to the query's own."""
+    rows = [F.pad(ttt_mask(T, j, device), (0, (J - 1 - j) * T)) for j in range(J)]
+    return torch.cat(rows, dim=0)
+
+
+def parallel_positions(T, J, device=None):
+    """[J·T] int64: the rope position of each column of P-EAGLE's one forward, t + j at j·T + t."""
+    return (torch.arange(J, device=device)[:, None] + torch.arange(T, device=device)).flatten()
+
+
+@functools.lru_cache(maxsize=32)
+def parallel_block_mask(T, J, device):
+    """``parallel_mask`` as a flex-attention BlockMask (its blocks outside step 0's causal part and the
+    diagonals are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q, k):
+        return torch.where(k < T, k <= q % T, ((k % T) == (q % T)) & (k // T <= q // T))
+
+    return create_block_mask(allowed, None, None, J * T, J * T, device=device, BLOCK_SIZE=FLEX_BLOCK)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,14 @@ What ``config.json`` carries and why:
 - ``norm_before_fc`` (absent = false) is written out too: one RMSNorm (``input_norm.weight``
   [n_aux·H_t]) over fc's whole input, before fc_norm; speculators' trainer turns it on for EAGLE-3.
 - no ``embed_tokens.weight``: vLLM then shares the target's embedding with the draft.
+- a P-EAGLE draft (``parallel_drafting``) adds ``mask_token_id``, the token its masked positions read
+  (``v1/spec_decode/llm_base_proposer.py``, ``_init_parallel_drafting_params``, takes the first of
+  ``dflash_config.mask_token_id``, ``mask_token_id``, ``dspark_noise_token_id``, ``pard_token``,
+  ``ptd_token_id``), and the tensor ``mask_hidden`` [1, n_aux·H_t] (``Eagle3LlamaForCausalLM.load_weights``
+  copies it into a buffer of that shape, and refuses to start without it under parallel drafting; the
+  proposer passes it through ``combine_hidden_states`` once). vLLM switches parallel drafting on from the
+  speculative config (``"parallel_drafting": true``, ``vllm_facts.speculative_config("peagle", ...)``), not
+  from config.json: the key ``parallel_drafting`` there is ours, read back by ``draft_config_from_json``.
 
 The speculators format (vllm-project/speculators; NVIDIA ModelOpt's converter emits it too) holds the
 same weights. vLLM 0.32 reads it in ``transformers_utils/configs/speculators/`` and
@@ -44,7 +52,13 @@ same weights. vLLM 0.32 reads it in ``transformers_utils/configs/speculators/`` 
   where ``norm_before_residual`` defaults to **True** (``algos.py``, ``update_eagle3``): each written
   out (so an EAGLE-3.1 draft is served as such in this format too);
 - tensors: the decoder layer is ``layers.0.*`` (speculators' own name; vLLM's loader takes both that
-  and ``midlayer.*``), everything else as above.
+  and ``midlayer.*``), everything else as above;
+- a P-EAGLE draft is ``speculators_model_type: peagle`` with a top-level ``mask_token_id``: vLLM
+  (``algos.py``, ``update_peagle``) maps it to ``PeagleLlamaForCausalLM`` (its ``Eagle3LlamaForCausalLM``)
+  with ``pard_token`` = the mask token, and ``vllm serve DIR`` then drafts with ``method: eagle3`` and
+  ``parallel_drafting: true`` (``base.py``, ``extract_vllm_speculative_config``). ``update_peagle`` reads
+  ``norm_before_residual`` (absent: **false** there) and ``norm_before_fc``, but not ``fc_norm`` or
+  ``norm_output``: such a draft has neither.
 """
 
 from __future__ import annotations
@@ -79,6 +93,12 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # written out in both formats, since their defaults differ between loaders.
 SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
+# A P-EAGLE draft's config.json keys (DraftConfig fields of these names): vLLM reads mask_token_id;
+# parallel_drafting is ours (vLLM takes it from the speculative config).
+PARALLEL_KEYS = ("parallel_drafting", "mask_token_id")
+# The keys vLLM's proposer takes a parallel draft's mask token from (after dflash_config's), in its order.
+MASK_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+
 # What vLLM assumes for a config.json key that is absent (llama_eagle3.py, LlamaConfig defaults).
 CONFIG_DEFAULTS = {
     "norm_before_residual": False,
@@ -97,7 +117,9 @@ def tensor_shapes(cfg) -> dict:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux_layers)} if cfg.fc_norm else {}
     input_norm = {"input_norm.weight": (cfg.num_aux_layers * cfg.target_hidden_size,)} if cfg.norm_before_fc else {}
+    mask = {"mask_hidden": (1, cfg.num_aux_layers * cfg.target_hidden_size)} if cfg.parallel_drafting else {}
     return {
+        **mask,
         **input_norm,
         **fc_norm,
         "fc.weight": (H, cfg.num_aux_layers * cfg.target_hidden_size),
@@ -146,7 +168,14 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.parallel_drafting:
+        config.update({key: getattr(cfg, key) for key in PARALLEL_KEYS})
     return config
+
+
+def mask_token_of(config: dict) -> int | None:
+    """The mask token vLLM's proposer would take from a flat config.json (``MASK_TOKEN_KEYS``); None: none."""
+    return next((config[key] for key in MASK_TOKEN_KEYS if config.get(key) is not None), None)
 
 
 def config_value(config: dict, key: str):
@@ -161,6 +190,8 @@ def draft_config_from_json(config: dict):
     hidden = config["hidden_size"]
     ids = config.get("eagle_aux_hidden_state_layer_ids") or []
     rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config_value(config, "rope_theta")}
+    mask_token_id = mask_token_of(config)
+    parallel = bool(config.get("parallel_drafting", mask_token_id is not None))  # without our key: a mask token says so
     return DraftConfig(
         hidden_size=hidden,
         intermediate_size=config["intermediate_size"],
@@ -175,6 +206,8 @@ def draft_config_from_json(config: dict):
         rope_parameters=rope,
         max_position_embeddings=config_value(config, "max_position_embeddings"),
         **{key: bool(config_value(config, key)) for key in SWITCHES},
+        parallel_drafting=parallel,
+        mask_token_id=mask_token_id if parallel else None,
     )
 
 
@@ -215,11 +248,14 @@ def state_dict_from_vllm(tensors: dict, cfg) -> dict:
 # ----------------------------------------------------------------------------- the speculators format
 
 FORMATS = ("vllm", "speculators")  # export.format "both" writes every one of them
-SPECULATORS_MODEL_TYPE = "eagle3"
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# speculators_model_type (and speculators_config.algorithm) by parallel_drafting, and its architectures
+SPECULATORS_MODEL_TYPES = {False: "eagle3", True: "peagle"}
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 LAYER_PREFIX = {"vllm": "midlayer.", "speculators": "layers.0."}
-# What vLLM assumes for a speculators config.json key that is absent (algos.py, update_eagle3).
+# What vLLM assumes for a speculators config.json key that is absent (algos.py, update_eagle3); and the
+# keys update_peagle reads, with its defaults (it drops fc_norm and norm_output: false there).
 SPECULATORS_DEFAULTS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+PEAGLE_SPECULATORS_DEFAULTS = {"norm_before_residual": False, "norm_before_fc": False}
 
 
 def is_speculators(config: dict) -> bool:
@@ -234,15 +270,19 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
     whose default differs between the formats written out."""
     layer = {key: v for key, v in draft_config_json(cfg, aux_layer_ids, dtype).items()
              if key not in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                            "target_hidden_size", *SWITCHES)}
+                            "target_hidden_size", *SWITCHES, *PARALLEL_KEYS)}
     verifier_cfg = {"name_or_path": str(verifier)}
     if verifier_architectures:
         verifier_cfg["architectures"] = list(verifier_architectures)
+    model_type = SPECULATORS_MODEL_TYPES[cfg.parallel_drafting]
+    if cfg.parallel_drafting and (cfg.fc_norm or cfg.norm_output):
+        raise ValueError("vLLM's speculators loader drops fc_norm and norm_output of a P-EAGLE draft (algos.py, "
+                         "update_peagle): export this draft in vLLM's format only (export.format: vllm)")
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": SPECULATORS_MODEL_TYPE,
+        "architectures": [SPECULATORS_ARCHITECTURES[model_type]],
+        "speculators_model_type": model_type,
         "speculators_config": {
-            "algorithm": SPECULATORS_MODEL_TYPE,
+            "algorithm": model_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
             "default_proposal_method": "greedy",
             "verifier": verifier_cfg,
@@ -252,6 +292,7 @@ def speculators_config_json(cfg, aux_layer_ids, *, verifier: str, k: int, dtype=
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         **{key: getattr(cfg, key) for key in SWITCHES},
+        **({"mask_token_id": cfg.mask_token_id} if cfg.parallel_drafting else {}),
         "dtype": dtype,
         "torch_dtype": dtype,
     }
@@ -266,8 +307,11 @@ def flat_config(config: dict) -> dict:
     flat["draft_vocab_size"] = config.get("draft_vocab_size")
     if config.get("target_hidden_size") is not None:
         flat["target_hidden_size"] = config["target_hidden_size"]
-    for key, default in SPECULATORS_DEFAULTS.items():
+    peagle = config.get("speculators_model_type") == SPECULATORS_MODEL_TYPES[True]
+    for key, default in (PEAGLE_SPECULATORS_DEFAULTS if peagle else SPECULATORS_DEFAULTS).items():
         flat[key] = config.get(key, default)
+    if peagle:  # vLLM hands the mask token on as pard_token; parallel drafting comes with the model type
+        flat.update(pard_token=config["mask_token_id"], parallel_drafting=True)
     if config.get("eagle_aux_hidden_state_layer_ids"):
         flat["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
     return flat
@@ -310,16 +354,16 @@ def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str
     """``(--model, --speculative-config, how)`` that serve a draft of format ``fmt`` with ``k`` tokens
     on vLLM ``version`` (the release that will serve it; None: unknown).
 
-    vLLM's format: the target with the eagle3 speculative config. The speculators format: the draft
-    directory as the model, the way its users start it (vLLM starts the verifier its config.json
+    vLLM's format: the target with the speculative config of the draft's kind (``method_of``). The
+    speculators format: the draft directory as the model, the way its users start it (vLLM starts the verifier its config.json
     names; a speculative config only where ``k`` differs from the file's). The target with the draft
     in the speculative config instead, which every release takes: where the verifier does not resolve
     here (a hub name with no hub), and where it is a local path on a release that refuses one
     (``LOCAL_VERIFIER_REFUSED_FROM``) or on an unknown release."""
-    fallback = str(target), speculative_config("eagle3", k, draft_dir)
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    fallback = str(target), speculative_config(method_of(config), k, draft_dir)
     if fmt == "vllm":
         return (*fallback, "--speculative-config")
-    config = json.loads((Path(draft_dir) / "config.json").read_text())
     verifier = verifier_of(config)
     if not (verifier and verifier_resolves_here(verifier)):
         return (*fallback, f"--speculative-config (the verifier {verifier!r} does not resolve on this machine)")
@@ -331,13 +375,20 @@ def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str
     return str(Path(draft_dir).resolve()), spec, f"vllm serve <draft dir> (verifier {verifier})"
 
 
-def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None) -> str:
-    """How a user serves a draft of format ``fmt``: the speculative config for vLLM's format; the draft
-    directory alone for the speculators format (vLLM starts the verifier its config.json names), but
-    where that verifier is a local path, which vLLM 0.33 and later refuse there."""
+def method_of(config: dict) -> str:
+    """The ``vllm_facts.speculative_config`` method that serves the draft of this config.json (either
+    format): ``peagle`` for a parallel-drafting one, else ``eagle3``."""
+    return SPECULATORS_MODEL_TYPES[draft_config_from_json(config).parallel_drafting]
+
+
+def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None, method="eagle3") -> str:
+    """How a user serves a draft of format ``fmt`` (``method``: ``method_of`` its config.json): the
+    speculative config for vLLM's format; the draft directory alone for the speculators format (vLLM
+    starts the verifier its config.json names), but where that verifier is a local path, which vLLM
+    0.33 and later refuse there."""
     if fmt == "speculators" and not (verifier and is_local_path(verifier)):
         return f"vllm serve {draft_dir}"
-    spec = json.dumps({**speculative_config("eagle3", k, "."), "model": str(draft_dir)}, separators=(",", ":"))
+    spec = json.dumps({**speculative_config(method, k, "."), "model": str(draft_dir)}, separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 

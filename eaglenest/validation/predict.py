@@ -39,7 +39,9 @@ def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device=
     for name, module in model.named_children():
         if name != "rotary_emb":
             module.to(dtype)
-    model.embed_weight = embed_weight.detach().to(device, dtype).clone()
+    model.set_embedding(embed_weight.detach().to(device, dtype))
+    if cfg.parallel_drafting:  # a parameter of the model itself, which the loop above does not reach
+        model.mask_hidden.data = model.mask_hidden.data.to(dtype)
     return model.eval(), config
 
 

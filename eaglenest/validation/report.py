@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ..config import defaults
-from ..draft.vllm_format import SWITCHES, config_value, flat_config, state_dict_from_vllm
+from ..draft.vllm_format import (PARALLEL_KEYS, SWITCHES, config_value, draft_config_from_json, flat_config,
+                                  state_dict_from_vllm)
 from .matrix import PER_DRAFTED_STEP, drafted_said, matrix_findings, matrix_html, per_drafted_step, write_csv
 from .plots import bar_chart, esc, line_chart
 
@@ -238,6 +239,10 @@ def export_differences(export_dir, checkpoint_path) -> list[str]:
         if bool(config_value(config, key)) != bool(getattr(dcfg, key)):
             shown = raw.get(key, f"(absent: {config_value(config, key)})")
             diffs.append(f"{key}: config.json {shown}, trained with {getattr(dcfg, key)}")
+    read = draft_config_from_json(raw)
+    for key in PARALLEL_KEYS:  # P-EAGLE: served with parallel drafting, and its mask token
+        if getattr(read, key) != getattr(dcfg, key):
+            diffs.append(f"{key}: config.json {getattr(read, key)}, trained with {getattr(dcfg, key)}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "rms_norm_eps"):
         if config.get(key) != dcfg.to_dict()[key]:

@@ -25,3 +25,34 @@ def eagle3(draft_dir: Path) -> dict:
     from eaglenest.vllm_facts import speculative_config
 
     return speculative_config("eagle3", K, draft_dir)
+
+
+def train_on_run(wd: Path, cfg: dict, out: Path, **draft) -> Path:
+    """A draft trained on the states of the run in `wd` (its shards, vocabulary and target head) with the
+    run's training settings and the `draft:` keys `draft` changed, exported in vLLM's format (float32, as
+    the toy is served): its directory."""
+    from eaglenest.config import validate_config
+    from eaglenest.draft.export import export_draft
+    from eaglenest.draft.train import train_draft
+    from eaglenest.settings import TrainSettings
+
+    settings = TrainSettings.from_config(validate_config({**cfg, "draft": {**cfg.get("draft", {}), **draft}}))
+    train_draft(sorted(wd.glob("hidden/shard_*.safetensors")), wd / "draft/vocab.safetensors", out / "checkpoint.safetensors",
+                out / "train_metrics.csv", head_path=wd / "hidden/target_head.safetensors", config=settings.config(),
+                state_dir=out / ".train_state", device="cpu", progress=False)
+    export_draft(out / "checkpoint.safetensors", out / "draft", dtype="float32")
+    return out / "draft"
+
+
+def offline_and_served(name, wd: Path, cfg: dict, draft_dir: Path, *, server: dict) -> tuple[dict, dict]:
+    """The draft in `draft_dir` predicted offline (the transformers target's greedy answers to the run's
+    held-out prompts, K tokens) and measured in vLLM, served as validation serves it (how_to_serve)."""
+    from eaglenest.draft.vllm_format import how_to_serve
+    from eaglenest.validation.predict import offline_acceptance
+    from eaglenest.validation.validate import read_prompts
+
+    prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
+    offline = offline_acceptance(cfg["server"]["model"], draft_dir, k=K, prompts=prompts, dtype="float32", device="cpu",
+                                 max_tokens=cfg["generation"]["max_tokens"], progress=False)
+    _, spec, _ = how_to_serve("vllm", draft_dir, K, cfg["server"]["model"])
+    return offline, measure_draft(name, wd, cfg, spec, server=server)
