@@ -153,6 +153,7 @@ def model_card(config: dict, info, card, train) -> str:
              f"| block | {config['block_size']} slots: the last token, {k} masks (mask token {config['dflash_config']['mask_token_id']}) |",
              f"| draft vocabulary | {config['draft_vocab_size']} of {config['vocab_size']} tokens |",
              f"| dtype | {config['dtype']} |"]
+    lines += [f"| {key} | {value} |" for key, value in card.items() if key not in ("target", "license") and value]
     if train:
         acc = ", ".join(f"{a:.3f}" for a in train.get("acc", []))
         lines += [f"| training | {train.get('steps')} steps, {train.get('tokens')} tokens, {train.get('seconds')} s |",
