@@ -208,20 +208,39 @@ class HiddenSettings(Stage):
 
 
 @dataclass(frozen=True)
+class DFlashSettings(Stage):
+    """draft.kind dflash: the block the draft fills in one forward and its depth (eaglenest.draft.dflash); its mask
+    token is DraftSettings.mask_token_id, as a P-EAGLE draft's."""
+
+    block_size: int = setting("draft.dflash.block_size")
+    num_layers: int = setting("draft.dflash.num_layers")
+
+
+DFLASH_TRAIN_KEYS = ("dflash_anchors", "dflash_gamma")  # train.* keys only a DFlash draft reads
+
+
+@dataclass(frozen=True)
 class DraftSettings(Stage):
     """The draft's shape (build_vocab, train_draft, export): its vocabulary, its sizes (None: the target's)
     and the aux layers it reads."""
 
     aux_layers: list[int] | None = setting("draft.aux_layers")
     vocab_size: int = setting("draft.vocab_size")
-    kind: str = setting("draft.kind")  # eagle3, eagle3.1 or peagle: the vLLM switches it sets are draft.config.KINDS
-    mask_token_id: int | None = setting("draft.mask_token_id")  # peagle's mask token (None: DraftConfig's default)
+    kind: str = setting("draft.kind")  # eagle3, eagle3.1, peagle (their vLLM switches: draft.config.KINDS) or dflash
+    mask_token_id: int | None = setting("draft.mask_token_id")  # peagle's and dflash's mask token (None: peagle's default)
     norm_before_residual: bool = setting("draft.norm_before_residual")
     intermediate_size: int | None = setting("draft.intermediate_size")
     num_attention_heads: int | None = setting("draft.num_attention_heads")
     num_key_value_heads: int | None = setting("draft.num_key_value_heads")
     head_dim: int | None = setting("draft.head_dim")
+    dflash: DFlashSettings = setting(DFlashSettings.from_config)  # read only where kind is dflash
     use_truncated: bool = setting("hidden.use_truncated", reruns=False)  # the vocabulary counts the traces trained on
+
+    def fingerprint(self) -> dict:
+        out = super().fingerprint()
+        if self.kind != "dflash":  # an EAGLE draft does not read them: changing them reruns nothing
+            del out["dflash"]
+        return out
 
     def vocab_fingerprint(self) -> dict:
         """What changes the draft vocabulary (build_vocab)."""
@@ -270,6 +289,8 @@ class TrainSettings(Stage):
     fp8: str | bool = setting("train.fp8")
     fused_loss: str | bool = setting("train.fused_loss")
     freeze_lm_head: bool = setting("train.freeze_lm_head")
+    dflash_anchors: int = setting("train.dflash_anchors")
+    dflash_gamma: float = setting("train.dflash_gamma")
     log_every: int = setting("train.log_every")
     prefetch: int = setting("train.prefetch")
     draft: DraftSettings = setting(DraftSettings.from_config)
@@ -280,10 +301,13 @@ class TrainSettings(Stage):
         paths, and the draft's shape keys, flat."""
         out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
                if f.name not in ("device", "gpus", "nproc", "draft", "hidden")}
-        return {**out, **self.draft.shape()}
+        return {**out, **self.draft.shape(), "dflash": self.draft.dflash.fingerprint()}
 
     def fingerprint(self) -> dict:
         out = super().fingerprint()
+        if self.draft.kind != "dflash":
+            for key in DFLASH_TRAIN_KEYS:
+                del out[key]
         if self.hidden.mode == "stream":  # the states come from the extraction server: what makes them retrains
             out["stream"] = self.hidden.fingerprint()
         return out

@@ -87,6 +87,22 @@ def choose_aux_layers(num_layers: int, ids=None, architectures=(), model_type=No
     return check_aux_layers(ids, num_layers, architectures, model_type)
 
 
+def dflash_target_layer_ids(aux_layers) -> list[int]:
+    """A DFlash draft's ``dflash_config.target_layer_ids`` for the vLLM ids ``aux_layers``: DFlash counts
+    layer *outputs*, so its ids are vLLM's minus one, and vLLM adds the one back before capturing
+    (``v1/worker/gpu_model_runner.py`` and ``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``: "Add 1 to
+    convert DFlash's aux layer id semantics"; 0.32). vLLM id 0, the embeddings, has no DFlash id."""
+    ids = sorted(int(i) for i in aux_layers)
+    if ids and ids[0] < 1:
+        raise ValueError(f"aux_layers {ids}: a DFlash draft reads layer outputs, and id 0 (the embeddings) is none; pick ids from 1 up")
+    return [i - 1 for i in ids]
+
+
+def aux_layers_of_dflash(target_layer_ids) -> list[int]:
+    """The vLLM ids vLLM captures for a DFlash draft's ``target_layer_ids`` (``dflash_target_layer_ids``' inverse)."""
+    return sorted(int(i) + 1 for i in target_layer_ids)
+
+
 # ----------------------------------------------------------------------------- vLLM releases
 
 SUPPORTED_VLLM = ((0, 32), (0, 34))  # oldest and newest minor release the code handles (README, "Installing")
@@ -153,14 +169,17 @@ SPECULATIVE_CONFIG_FLAGS = ("--speculative-config", "--speculative_config")
 
 
 def speculative_config(method: str, k: int, draft_dir=None, ngram=None) -> dict | None:
-    """vLLM's --speculative-config for a run: None (target alone), eagle3, peagle or ngram. ``peagle``
+    """vLLM's --speculative-config for a run: None (target alone), eagle3, peagle, dflash or ngram. ``peagle``
     (a P-EAGLE draft) is vLLM's eagle3 method with ``parallel_drafting``, all k tokens drafted in one
     forward (``config/speculative.py``; what vLLM's own speculators loader makes of
-    ``speculators_model_type: peagle``, ``transformers_utils/configs/speculators/base.py``)."""
+    ``speculators_model_type: peagle``, ``transformers_utils/configs/speculators/base.py``). A DFlash draft
+    fills a block of k+1 slots, its anchor and k masks (``SpeculativeConfig``: "DFlash uses one bonus query
+    followed by K mask queries"): it was trained for k = draft.dflash.block_size - 1."""
     if method == "baseline":
         return None
-    if method in ("eagle3", "peagle"):
-        spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+    if method in ("eagle3", "peagle", "dflash"):
+        spec = {"method": "dflash" if method == "dflash" else "eagle3", "model": str(Path(draft_dir).resolve()),
+                "num_speculative_tokens": k}
         return {**spec, "parallel_drafting": True} if method == "peagle" else spec
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, **(ngram or {})}

@@ -1,4 +1,4 @@
-"""Train the EAGLE-3 draft on the hidden-state shards, or (hidden.mode: stream) on states streamed
+"""Train the draft (EAGLE-3, or DFlash with draft.kind dflash) on the hidden-state shards, or (hidden.mode: stream) on states streamed
 from the running extraction server: one process, or torchrun over train.nproc."""
 import sys
 
@@ -26,6 +26,13 @@ config, server = settings.config(), snakemake.config["server"]
 stream = None if settings.hidden.mode != "stream" else stream_spec(
     settings.hidden, traces=io.traces, ready=check_sentinel(io.ready, ServerConfig.from_dict(server).api_key()),
     head=io.head, server=server, batch_tokens=config["batch_tokens"], cache_dir=STREAM_CACHE_DIR)
+if settings.draft.kind == "dflash":  # its own trainer (one process, shards)
+    from eaglenest.draft.dflash_train import train_dflash
+
+    train_dflash(list(io.get("hidden", [])), io.vocab, snakemake.output.checkpoint, snakemake.output.metrics, head_path=io.head,
+                 config=config, state_dir=state_dir, device=settings.device, stream=stream,
+                 snapshot_paths=list(snakemake.output.snapshots))
+    sys.exit(0)
 sys.exit(train_in_processes(snakemake.params.nproc, list(io.get("hidden", [])), io.vocab, snakemake.output.checkpoint,
                             snakemake.output.metrics, head_path=io.head, config=config, state_dir=state_dir,
                             device=settings.device, stream=stream, snapshot_paths=list(snakemake.output.snapshots)))

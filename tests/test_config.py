@@ -76,7 +76,7 @@ def test_every_schema_default_reaches_the_code_unchanged():
     shape = ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual",
              "mask_token_id")
     assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
-                                        **{k: resolved["draft"][k] for k in shape}}
+                                        **{k: resolved["draft"][k] for k in shape}, "dflash": resolved["draft"]["dflash"]}
     # The null defaults fall back to generation's: 0 and its temperature, its top_p.
     assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77,
                                                                  "temperatures": [0.0], "top_p": 1.0}

@@ -8,12 +8,13 @@ import pytest
 
 from eaglenest.config import MOVED_KEYS, ConfigError, defaults, validate_config
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.settings import (DraftSettings, ExportSettings, FetchSettings, GenerationSettings, HiddenSettings,
-                                PromptSettings, QuestionSettings, Stage, TrainSettings, ValidateSettings, lookup)
+from eaglenest.settings import (DFlashSettings, DraftSettings, ExportSettings, FetchSettings, GenerationSettings,
+                                HiddenSettings, PromptSettings, QuestionSettings, Stage, TrainSettings, ValidateSettings,
+                                lookup)
 from eaglenest.states.target import TargetFacts
 
-STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, TrainSettings, ValidateSettings,
-          ExportSettings, FetchSettings)
+STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, DFlashSettings, TrainSettings,
+          ValidateSettings, ExportSettings, FetchSettings)
 
 
 def _with(changes: dict) -> dict:
@@ -73,10 +74,10 @@ def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
     """A new schema key without a field (or a field without a schema key) fails here: a setting is written
     in two places, the schema and its stage's field."""
     read = {key for cls in STAGES for f in fields(cls) for key in f.metadata["keys"]}
-    for section in ("generation", "hidden", "hidden.vllm", "hidden.transformers", "hidden.stream", "draft", "train",
-                    "export"):
+    for section in ("generation", "hidden", "hidden.vllm", "hidden.transformers", "hidden.stream", "draft", "draft.dflash",
+                    "train", "export"):
         missing = {f"{section}.{k}" for k in defaults(section)} - read - {"hidden.vllm", "hidden.transformers",
-                                                                          "hidden.stream"}
+                                                                          "hidden.stream", "draft.dflash"}
         assert not missing, f"schema keys no stage reads: {sorted(missing)}"
     assert {f"dataset.{k}" for k in defaults("dataset") if k != "generate"} <= read
     assert {f"dataset.generate.{k}" for k in defaults("dataset.generate")} <= read

@@ -9,6 +9,7 @@ from ..settings import DraftSettings, TrainSettings
 from ..states.target import TargetFacts
 from ..util import save_safetensors
 from .config import DraftConfig
+from .dflash import KIND as DFLASH, DFlashConfig
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
@@ -23,8 +24,10 @@ def resolve_config(config):
     return {**DEFAULTS, **(config or {})}
 
 
-def draft_config(info: TargetFacts, draft_vocab_size, cfg) -> DraftConfig:
+def draft_config(info: TargetFacts, draft_vocab_size, cfg) -> DraftConfig | DFlashConfig:
     """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
+    if cfg["kind"] == DFLASH:
+        return DFlashConfig.from_target(info, draft_vocab_size, cfg)
     return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in DraftSettings.defaults().shape()})
 
 
@@ -38,11 +41,13 @@ def load_checkpoint(path):
             raise ValueError(f"{path}: not an eaglenest draft checkpoint (format {meta.get('format')!r})")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     facts = TargetFacts.from_dict(json.loads(meta["target"]), f"{path}'s metadata", "train it again with this version")
-    return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"])), facts, json.loads(meta["train"])
+    stored = json.loads(meta["draft_config"])
+    config = DFlashConfig.from_dict(stored) if stored.get("kind") == DFLASH else DraftConfig.from_dict(stored)
+    return tensors, config, facts, json.loads(meta["train"])
 
 
 
-def save_checkpoint(path, tensors, dcfg: DraftConfig, info: TargetFacts, train: dict):
+def save_checkpoint(path, tensors, dcfg: DraftConfig | DFlashConfig, info: TargetFacts, train: dict):
     """Write ``tensors`` as a checkpoint ``load_checkpoint`` reads back."""
     metadata = {
         "format": CHECKPOINT_FORMAT,

@@ -14,6 +14,8 @@ import torch
 from ..settings import ExportSettings
 from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
+from .dflash import KIND as DFLASH
+from .dflash_format import write_dflash_draft
 from .model import Eagle3Draft
 from .vllm_format import (draft_config_from_json, draft_config_json, flat_config, format_tensors, is_speculators,
                           method_of, serve_line, speculators_config_json, verifier_of, vllm_tensors)
@@ -128,6 +130,8 @@ def export_draft(checkpoint_path, out_dir=None, settings: ExportSettings | None 
     verifier, k = settings.verifier, settings.k
 
     tensors, cfg, info, train = load_checkpoint(checkpoint_path)
+    if cfg.kind == DFLASH:
+        return export_dflash(tensors, cfg, info, train, out_dir, speculators_dir, card, dtype)
     config = None
     for fmt, path in (("vllm", out_dir), ("speculators", speculators_dir)):
         if path is not None:
@@ -135,6 +139,15 @@ def export_draft(checkpoint_path, out_dir=None, settings: ExportSettings | None 
     if config is None:
         raise ValueError("export_draft: give out_dir, speculators_dir or both")
     return config
+
+
+def export_dflash(tensors, cfg, info, train, out_dir, speculators_dir, card, dtype) -> dict:
+    """A DFlash checkpoint's export: vLLM's format only (z-lab's, ``dflash_format``)."""
+    if speculators_dir is not None:
+        raise ValueError("export.format: a DFlash draft is exported in vLLM's format only; set export.format: vllm")
+    if out_dir is None:
+        raise ValueError("export_draft: a DFlash draft needs out_dir")
+    return write_dflash_draft(out_dir, cfg, info, tensors, card, train, dtype)
 
 
 def export_untrained(vocab_path, head_path, out_dir, *, config=None, seed=0, card=None, dtype="bfloat16") -> dict:

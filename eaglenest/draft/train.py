@@ -493,8 +493,12 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
 
     ``stream`` (``stream.open_stream``'s settings; ``hidden_paths`` is then unused): take the states
     from the extraction server instead of shards. ``config``: the training config's keys that differ from
-    the schema's (``TrainSettings.config()``); ``device``: where it runs (None: train.device's default)."""
+    the schema's (``TrainSettings.config()``); ``device``: where it runs (None: train.device's default).
+    A DFlash draft (kind dflash) trains with ``dflash_train.train_dflash`` instead, which builds on this module."""
     cfg = resolve_config(config)
+    if cfg["kind"] == "dflash":
+        raise ValueError("train_draft trains EAGLE-3 drafts: a DFlash draft (draft.kind dflash) trains with "
+                         "eaglenest.draft.dflash_train.train_dflash, same arguments")
     device = device or TrainSettings.defaults().device
     t_start = time.time()
     world, rank, local_rank, device, own_group = start_process(device)

