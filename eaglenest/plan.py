@@ -175,13 +175,15 @@ def assumed_generation(config: dict, weights_bytes: int | None, has_gpu: bool) -
     """Output tokens a second of one replica, assumed where plan.generate_tokens_per_s is unset: its share of
     generation.concurrency in flight at each decode step, a step STEP_PER_WEIGHT_READ times one read of the weights
     at its GPUs' memory bandwidth (at least MIN_STEP_S). None where the setting is given, the weights' size is
-    unknown, or the GPUs are not the plan's to know (an external server; a local one on this machine's CPU)."""
+    unknown, or the GPUs are not the plan's to know (an external server; one on a CPU, here or in a SLURM job)."""
     s = config["server"]
     on_cpu = s["mode"] == "local" and not has_gpu
     if config["plan"]["generate_tokens_per_s"] or not weights_bytes or on_cpu or s["mode"] == "external":
         return None
-    kind, source = gpu_kind(config, has_gpu)
     gpus, in_flight = server_gpus(config), config["generation"]["concurrency"] / s["replicas"]
+    if not gpus:  # a SLURM job of server.slurm.gpus 0: vLLM on the node's CPU
+        return None
+    kind, source = gpu_kind(config, has_gpu)
     step_s = max(MIN_STEP_S, STEP_PER_WEIGHT_READ * weights_bytes / (gpus * GPU_BANDWIDTH_TBS[kind] * 1e12))
     return {"rate": in_flight / step_s, "in_flight": in_flight, "step_s": step_s, "gpus": gpus, "kind": kind,
             "kind_source": source}
@@ -404,6 +406,8 @@ def no_assumed_rate(config: dict, plan: Plan, has_gpu: bool) -> str:
         return "or plan.weights_gb for an assumed one"
     if config["server"]["mode"] == "external":
         return "no rate is assumed for external servers"
+    if config["server"]["mode"] == "slurm":
+        return "no rate is assumed for vLLM on a CPU (server.slurm.gpus 0)"
     return "no rate is assumed for vLLM on this machine's CPU"
 
 

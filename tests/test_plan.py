@@ -260,6 +260,10 @@ def test_no_generation_rate_is_assumed_without_the_weights_size_or_a_gpu(tmp_pat
     plan = make_plan(toy, tmp_path, has_gpu=False)
     assert plan.weights_bytes and plan.assumed is None
     assert "no rate is assumed for vLLM on this machine's CPU" in format_plan(plan)
+    # a SLURM server job without GPUs (server.slurm.gpus 0: vLLM on the node's CPU) divided by zero GPUs
+    cpu_job = validate_config({"dataset": {"limit": 600}, "server": {"mode": "slurm", "slurm": {"gpus": 0}}})
+    plan = make_plan(cpu_job, tmp_path, has_gpu=False)
+    assert plan.weights_bytes and plan.assumed is None
 
 
 def test_the_targets_weights_come_from_its_directory_or_the_hf_cache_before_plan_weights_gb(tmp_path, monkeypatch):
