@@ -31,6 +31,7 @@ import torch
 from ..util import save_safetensors, say
 from ..vllm_facts import aux_layers_of_dflash, dflash_target_layer_ids, speculative_config
 from .dflash import DFlashConfig
+from .vllm_format import decoder_keys
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
@@ -68,18 +69,7 @@ def config_json(cfg: DFlashConfig, aux_layers, dtype="bfloat16", num_target_laye
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "num_hidden_layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": dict(cfg.rope_parameters),
-        "rope_theta": cfg.rope_parameters.get("rope_theta"),  # for readers older than transformers 5
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.target_vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
+        **decoder_keys(cfg),
         "block_size": cfg.block_size,
         "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                           "target_layer_ids": dflash_target_layer_ids(aux_layers), "causal": False},

@@ -140,12 +140,10 @@ def tensor_shapes(cfg) -> dict:
     }
 
 
-def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
-    """config.json of an exported draft (``cfg`` a ``model.DraftConfig``)."""
-    config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
+def decoder_keys(cfg) -> dict:
+    """The config.json keys of a draft's decoder layers and vocabularies, the same in every draft kind's
+    config.json (``cfg`` a ``model.DraftConfig`` or a ``dflash.DFlashConfig``)."""
+    return {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -158,6 +156,16 @@ def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
+    }
+
+
+def draft_config_json(cfg, aux_layer_ids, dtype="bfloat16") -> dict:
+    """config.json of an exported draft (``cfg`` a ``model.DraftConfig``)."""
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **decoder_keys(cfg),
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         **{key: getattr(cfg, key) for key in SWITCHES},
         "tie_word_embeddings": False,
