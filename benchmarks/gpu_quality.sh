@@ -39,9 +39,10 @@ case $stage in
   rest)  # train at every size (ARGS: draft_quality.py train's), then eval and report, inside REST_BUDGET seconds
     BUDGET=${REST_BUDGET:-570}; START=$(date +%s)
     left() { echo $((BUDGET - ($(date +%s) - START))); }
-    timeout -k 5 $(( $(left) - 170 )) $PY benchmarks/draft_quality.py train --dir "$DIR" "$@"
+    most() { local n=$(( $(left) - $1 )); echo $(( n > 1 ? n : 1 )); }  # timeout refuses 0 and negatives
+    timeout -k 5 "$(most 170)" $PY benchmarks/draft_quality.py train --dir "$DIR" "$@"
     echo "== train exit $?, $(left) s left"
-    timeout -k 5 $(( $(left) - 10 )) $PY benchmarks/draft_quality.py eval --dir "$DIR" \
+    timeout -k 5 "$(most 10)" $PY benchmarks/draft_quality.py eval --dir "$DIR" \
       && $PY benchmarks/draft_quality.py report --dir "$DIR"
     cp "$DIR"/*.jsonl "$DIR"/quality.* "$OUT"/ 2>/dev/null ;;
   eval)
