@@ -26,6 +26,7 @@ import torch
 from eaglenest.draft.checkpoint import resolve_config
 from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.dflash import DFlashConfig, DFlashDraft, sample_anchors
+from eaglenest.draft.fp8 import use_fp8
 from eaglenest.draft.model import Eagle3Draft, Runtime
 from eaglenest.draft.optim import clip_and_step
 from eaglenest.draft.train import configure_compile, make_optimizer, resolve_runtime, target_distribution
@@ -367,8 +368,6 @@ def check_peagle(dev):
         print(json.dumps(r), flush=True)
         if not r["ok"]:
             failures.append(r)
-        from eaglenest.draft.fp8 import use_fp8
-
         if train_cfg["fp8"]:  # FP8 products (train's default on Hopper), loose: they catch a broken swap, not a drift
             m8 = copy.deepcopy(m16)
             swapped = use_fp8(m8)
