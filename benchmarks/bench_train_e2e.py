@@ -20,7 +20,13 @@ holds the same formula): per token and TTT step 6x the trainable layer MACs and 
 vocabulary once; recomputation in backward is not counted (the target's argmax over its full
 vocabulary is extraction's work, in `extract_s`, not training's).
 
-    python benchmarks/bench_train_e2e.py --sizes llama8b kimi [--seqs 40 --seq 2048 --steps 40] [--small]
+``--kind`` trains that draft kind (``draft.kind``; default: the config's) through the workflow's own
+trainer for it: `train_draft` for eagle3, eagle3.1 and peagle, `dflash_train.train_dflash` for dflash,
+with the mask token (peagle, dflash) the target's last id. DFlash's MFU counts its own FLOPs
+(``dflash_flops_per_token``). ``--data DIR`` keeps the shard, head and vocabulary of each size under
+DIR/<size> and reuses them when there (several kinds, one extraction).
+
+    python benchmarks/bench_train_e2e.py --sizes llama8b kimi [--seqs 40 --seq 2048 --steps 40] [--kind peagle] [--small]
 """
 
 import argparse
@@ -78,8 +84,33 @@ def make_data(root, size, seqs, seq, dev):
     return {"extract_s": round(extract_s, 2), "shard_gib": round(ext["bytes"] / 2**30, 2)}
 
 
+def dflash_flops_per_token(H, I, nh, nkv, DV, T, cfg):
+    """A DFlash step's FLOPs per sequence token, counted as ``bench_train.flops_per_token`` counts EAGLE's: per
+    block slot and layer 6x the layer's MACs and its attention (the context up to the anchor, T/2 on average,
+    and the block's S slots); per sequence token and layer 6x the context's k/v projections, and fc once;
+    4x (frozen) or 6x (trained) the lm_head at the scored slots. Anchors: ``dflash_anchors``, at most T."""
+    S, L = cfg["dflash"]["block_size"], cfg["dflash"]["num_layers"]
+    hd = H // nh
+    N = min(cfg["dflash_anchors"], T)
+    slot = 2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I + 2 * nh * hd * (T / 2 + S)  # q, o, k, v, MLP, attention
+    ctx = 2 * H * nkv * hd
+    head = (4 if cfg["freeze_lm_head"] else 6) * N * (S - 1) * H * DV
+    return (6 * (N * S * L * slot + T * L * ctx + T * 3 * H * H) + head) / T
+
+
+def data_dir(root, size, seqs, seq):
+    """DIR/<size> holding this size's shard, head and vocabulary, or None where it must be made."""
+    d = Path(root) / size
+    want = {"size": size, "seqs": seqs, "seq": seq}
+    try:
+        return d if json.loads((d / "made.json").read_text()) == want else None
+    except (OSError, ValueError):
+        return None
+
+
 def main():
     from eaglenest.draft.checkpoint import resolve_config
+    from eaglenest.draft.dflash_train import train_dflash
     from eaglenest.draft.train import resolve_runtime, train_draft
 
     p = argparse.ArgumentParser()
@@ -93,6 +124,9 @@ def main():
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
     p.add_argument("--config", default="{}", help="training config overrides as JSON (labelled in the output; "
                    "the figures of issue 12 use none)")
+    p.add_argument("--kind", default=None, choices=["eagle3", "eagle3.1", "peagle", "dflash"],
+                   help="the draft kind (draft.kind; default: the training config's)")
+    p.add_argument("--data", default=None, help="keep and reuse each size's shard, head and vocabulary under DATA/<size>")
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,31 +139,52 @@ def main():
     config = {**overrides, "batch_tokens": a.seq, "max_steps": a.steps}
     if a.ttt:
         config["ttt_length"] = a.ttt
+    if a.kind:
+        config["kind"] = a.kind
     resolved = resolve_runtime(resolve_config(config), dev)
+    kind = resolved["kind"]
     results = []
     for size in a.sizes:
         H, I, nh, nkv, V = SIZES[size]
         DV = min(32000, V // 2)
+        if kind in ("peagle", "dflash") and "mask_token_id" not in overrides:
+            config["mask_token_id"] = V - 1  # any id of a random target; dflash has no default
         root = Path(tempfile.mkdtemp(prefix=f"e2e-{size}-", dir=a.dir))
+        data_root = data_dir(a.data, size, a.seqs, a.seq) if a.data else None
         try:
-            data = make_data(root, size, a.seqs, a.seq, dev)
+            if data_root is None:
+                data_root = Path(a.data) / size if a.data else root
+                data_root.mkdir(parents=True, exist_ok=True)
+                data = make_data(data_root, size, a.seqs, a.seq, dev)
+                if a.data:
+                    (data_root / "made.json").write_text(json.dumps({"size": size, "seqs": a.seqs, "seq": a.seq}))
+            else:
+                data = {"extract_s": None, "shard_gib": None, "data": f"reused {data_root}"}
             if dev == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()  # train_draft's first logged window starts here
+                torch.cuda.reset_peak_memory_stats()  # the trainer's first logged window starts here
+            trainer = train_dflash if kind == "dflash" else train_draft
             t0 = time.perf_counter()
-            stats = train_draft([root / "shard_0.safetensors"], root / "vocab.safetensors", root / "draft.safetensors",
-                                root / "metrics.csv", head_path=root / "target_head.safetensors", config=config,
-                                state_dir=root / "state", device=dev, progress=False)
+            stats = trainer([data_root / "shard_0.safetensors"], data_root / "vocab.safetensors", root / "draft.safetensors",
+                            root / "metrics.csv", head_path=data_root / "target_head.safetensors", config=config,
+                            state_dir=root / "state", device=dev, progress=False)
             wall = time.perf_counter() - t0
             rows = list(csv.DictReader(open(root / "metrics.csv")))
             after = [r for r in rows if int(r["step"]) > a.warmup]
             tok_s = statistics.median(float(r["tokens_per_s"]) for r in after)
-            ttt = resolved["ttt_length"]
-            f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved["freeze_lm_head"])
-            kind = f"config overrides {json.dumps(overrides)}" if overrides else "default config"
-            r = dict(impl=f"eaglenest train_draft e2e ({kind}: " + ", ".join(
-                         f"{k}={resolved[k]}" for k in (*AUTO_KEYS, "bf16_weights", "fp8", "freeze_lm_head")) + ")",
-                     size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
+            how = f"config overrides {json.dumps(overrides)}" if overrides else "default config"
+            if kind == "dflash":
+                ttt = resolved["dflash"]["block_size"] - 1  # the slots drafted
+                f = dflash_flops_per_token(H, I, nh, nkv, DV, a.seq, resolved)
+                impl = (f"eaglenest train_dflash e2e ({how}: kind dflash, block {resolved['dflash']['block_size']}, "
+                        f"{resolved['dflash']['num_layers']} layers, {resolved['dflash_anchors']} anchors, dense block attention, "
+                        f"bf16 autocast on CUDA, fp32 AdamW, freeze_lm_head={resolved['freeze_lm_head']})")
+            else:
+                ttt = resolved["ttt_length"]
+                f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved["freeze_lm_head"])
+                impl = (f"eaglenest train_draft e2e ({how}: kind {kind}, " + ", ".join(
+                    f"{k}={resolved[k]}" for k in (*AUTO_KEYS, "bf16_weights", "fp8", "freeze_lm_head")) + ")")
+            r = dict(impl=impl, kind=kind, size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),
                      peak_gib=round(max(float(r["peak_gib"]) for r in after), 2) if "peak_gib" in rows[0] else None,
                      run_peak_gib=round(max(float(r["peak_gib"]) for r in rows), 2) if "peak_gib" in rows[0] else None,

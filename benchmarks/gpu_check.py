@@ -14,15 +14,22 @@ and the fused loss with the frozen head in FP8 against it in bf16 at the same si
     python benchmarks/gpu_check.py
 """
 
+import argparse
+import copy
+import dataclasses
 import json
 import sys
 import time
 
 import torch
 
+from eaglenest.draft.checkpoint import resolve_config
 from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.dflash import DFlashConfig, DFlashDraft, sample_anchors
+from eaglenest.draft.fp8 import use_fp8
 from eaglenest.draft.model import Eagle3Draft, Runtime
-from eaglenest.draft.train import configure_compile, target_distribution
+from eaglenest.draft.optim import clip_and_step
+from eaglenest.draft.train import configure_compile, make_optimizer, resolve_runtime, target_distribution
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True, "split_step_grads": True, "diag_split": True,
         "skip_unscored": True}
@@ -121,8 +128,8 @@ def check_fp8_head(dev):
     return r
 
 
-def main():
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+def check_eagle3(dev):
+    """The EAGLE-3 checks above and below -> their failures."""
     H, V, DV, B, T = 256, 1024, 512, 2, 256
     cfg = DraftConfig(hidden_size=H, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H)
@@ -268,6 +275,200 @@ def main():
         print(json.dumps(r), flush=True)
         if not r["ok"]:
             failures.append(r)
+    return failures
+
+
+def small_targets(B, T, DV, prompt, g, dev):
+    """Random ``target_distribution`` output over [B, T]: no loss in the first ``prompt`` positions, a
+    fifth of the rest unscored, a tenth of the scored tokens outside the draft vocabulary."""
+    scored = (torch.rand(B, T, generator=g) > 0.2) & (torch.arange(T) >= prompt)
+    rows = torch.nonzero(scored.flatten()).squeeze(1)
+    targets = {"rows": rows, "probs": torch.softmax(3 * torch.randn(len(rows), DV, generator=g), -1),
+               "argmax": torch.randint(0, DV, (len(rows),), generator=g), "in_draft": torch.rand(len(rows), generator=g) > 0.1}
+    return {k: v.to(dev) for k, v in targets.items()}
+
+
+def init_away(model):
+    """Weights away from the init, so that every one matters to the loss."""
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3 if p.dim() == 1 else 0.05)
+
+
+def steps_lower_loss(model, opt, params, loss_fn, dev, steps=6):
+    """``steps`` optimizer steps on one batch, under bf16 autocast on CUDA as training runs -> the losses."""
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
+            loss = loss_fn(model)
+        loss.backward()
+        clip_and_step(opt, params, 0.5)
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(float(loss.detach()), 5))
+    return losses
+
+
+def compare(r, got, ref, name, tol_loss, tol_grad):
+    """Adds ``got``'s distance to ``ref`` (each (loss, stats, grads)) to ``r`` -> whether within the tolerances."""
+    r[f"rel_loss_vs_{name}"] = rel(got[0], ref[0])
+    r[f"rel_stats_vs_{name}"] = rel(got[1], ref[1])
+    r[f"worst_rel_grad_vs_{name}"] = max((rel(got[2][n].to(ref[2][n].device), ref[2][n]), n) for n in ref[2])
+    return (r[f"rel_loss_vs_{name}"] < tol_loss and r[f"rel_stats_vs_{name}"] < 5 * tol_loss
+            and r[f"worst_rel_grad_vs_{name}"][0] < tol_grad)
+
+
+def check_peagle(dev):
+    """P-EAGLE (draft.kind peagle): the path train_draft picks on CUDA (all ttt_length positions in ONE layer
+    call under flex attention's block mask, ``ttt.parallel_block_mask``; the fused loss, compiled) against
+    the reference (the TTT's dense steps fed the mask's inputs, sdpa, eager, chunked loss) on a small draft:
+    loss, per-position stats and every gradient under bf16 autocast, against the reference under the same
+    autocast (tight) and in fp32 (loose), at TTT 7 without recomputation (the default) and with it (a trained
+    lm_head's); on CUDA also with bf16 weights (train's default there). Then 6 steps of train's
+    optimizer on that path lower the loss. On CPU the one call runs under the dense [J·T, J·T] mask,
+    uncompiled. -> failures."""
+    H, V, DV, B, T = 256, 1024, 512, 2, 256
+    cfg = DraftConfig(hidden_size=H, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, parallel_drafting=True, mask_token_id=V - 1)
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    init_away(model)
+    model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
+    model.to(dev).train()
+    train_cfg = resolve_runtime(resolve_config({"kind": "peagle"}), dev)
+    fast = Runtime.from_config(train_cfg)
+    if dev != "cuda":  # train_draft's CPU path is the reference itself: the one call anyway, uncompiled
+        fast = dataclasses.replace(fast, attention="flex", fused_loss=True, compiled=False)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V - 1, (B, T), generator=g).to(dev)
+    aux = torch.randn(B, T, 3 * H, generator=g).to(dev)
+    targets = small_targets(B, T, DV, T // 4, g, dev)
+    failures = []
+    for ttt, extra in ((7, {}), (7, {"recompute": True})):  # one TTT length: one flex kernel to compile
+        variant = dataclasses.replace(fast, **extra)
+        ref32 = run(model, REF, ids, aux, targets, ttt, autocast=False)
+        ref16 = run(model, REF, ids, aux, targets, ttt, autocast=True)
+        got = run(model, dataclasses.asdict(variant), ids, aux, targets, ttt, autocast=True)
+        r = {"check": "peagle", "ttt": ttt, "path": f"{variant.attention}, one layer call, compiled loss {variant.compiled}, "
+             f"fused loss {variant.fused_loss}, recompute {variant.recompute}",
+             "loss_ref_fp32": round(float(ref32[0]), 5), "loss": round(float(got[0]), 5)}
+        ok = bool(torch.isfinite(got[0]) and all(torch.isfinite(v).all() for v in got[2].values()) and set(got[2]) == set(ref16[2]))
+        ok = compare(r, got, ref16, "bf16", 1e-2, 5e-2) and ok
+        ok = compare(r, got, ref32, "fp32", 2e-2, 1e-1) and ok
+        r["ok"] = bool(ok and "mask_hidden" in got[2])  # the learned mask state gets a gradient
+        print(json.dumps(r), flush=True)
+        if not r["ok"]:
+            failures.append(r)
+    if dev == "cuda":  # train's default weights there: bf16 (fp32 masters in the optimizer)
+        m16 = copy.deepcopy(model)
+        for p in m16.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        ref16 = run(model, REF, ids, aux, targets, 7, autocast=True)
+        got = run(m16, dataclasses.asdict(fast), ids, aux, targets, 7, autocast=True)
+        r = {"check": "peagle", "bf16_weights": True}
+        r["ok"] = bool(compare(r, got, ref16, "bf16", 2e-2, 1e-1))
+        print(json.dumps(r), flush=True)
+        if not r["ok"]:
+            failures.append(r)
+        if train_cfg["fp8"]:  # FP8 products (train's default on Hopper), loose: they catch a broken swap, not a drift
+            m8 = copy.deepcopy(m16)
+            swapped = use_fp8(m8)
+            got8 = run(m8, dataclasses.asdict(fast), ids, aux, targets, 7, autocast=True)
+            r = {"check": "peagle", "fp8_swapped": swapped}
+            ok = bool(torch.isfinite(got8[0]) and all(torch.isfinite(v).all() for v in got8[2].values()))
+            r["ok"] = bool(compare(r, got8, got, "bf16_weights", 5e-2, 0.3) and ok and len(swapped) == 8)
+            print(json.dumps(r), flush=True)
+            if not r["ok"]:
+                failures.append(r)
+    m = copy.deepcopy(model)
+    m.runtime = fast
+    opt = make_optimizer(m, {"bf16_weights": train_cfg["bf16_weights"], "lr": 1e-3, "weight_decay": 0.0}, dev == "cuda")
+    params = [p for p in m.parameters() if p.requires_grad]
+    losses = steps_lower_loss(m, opt, params, lambda mm: mm(ids, aux, targets, ttt_length=7, chunk=300)[0], dev)
+    r = {"check": "peagle", "train_steps_loss": losses, "ok": bool(losses[-1] < 0.98 * losses[0] and torch.isfinite(torch.tensor(losses)).all())}
+    print(json.dumps(r), flush=True)
+    if not r["ok"]:
+        failures.append(r)
+    return failures
+
+
+def dflash_run(model, batch, autocast):
+    """``DFlashDraft.loss`` and its gradients on ``batch`` -> (loss, stats, grads by name)."""
+    model.zero_grad(set_to_none=True)
+    dev = next(model.parameters()).device.type
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+        loss, stats = model.loss(*batch, gamma=4.0)
+    loss.backward()
+    return loss.detach().float(), stats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_dflash(dev):
+    """DFlash (draft.kind dflash): its trainer's path on ``dev`` (``DFlashDraft.loss``: the anchored blocks, each
+    one softmax over its context prefix and its own block, ``dflash.block_attention``; on CUDA under bf16
+    autocast, as ``dflash_train.dflash_step`` runs it) against the same loss on CPU in fp32, on a small draft
+    (2 layers, blocks of 4, 64 anchors a row): loss, the per-slot CE sums and counts, and every gradient,
+    in fp32 on ``dev`` (tight) and under bf16 autocast (loose). Then 6 steps of its optimizer (AdamW, fp32
+    weights, as train_dflash) lower the loss. -> failures."""
+    H, V, DV, B, T = 256, 1024, 512, 2, 256
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       target_vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, mask_token_id=V - 1,
+                       num_hidden_layers=2, block_size=4)
+    torch.manual_seed(0)
+    model = DFlashDraft(cfg)
+    init_away(model)
+    model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V - 1, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * H, generator=g)
+    # the target's greedy tokens, about 9 in 10 in the draft vocabulary (ids < DV)
+    nxt = torch.where(torch.rand(B, T, generator=g) < 0.9, torch.randint(0, DV, (B, T), generator=g),
+                      torch.randint(DV, V, (B, T), generator=g)).to(torch.int32)
+    loss_mask = torch.arange(T).expand(B, T) >= T // 4
+    anchors, valid = sample_anchors(loss_mask, 64, g)
+    batch = (ids, aux, nxt, loss_mask, anchors, valid)
+    ref = dflash_run(model, batch, autocast=False)  # CPU, fp32
+    on_dev = copy.deepcopy(model).to(dev)
+    batch_dev = tuple(t.to(dev) for t in batch)
+    failures = []
+    for autocast, tol_loss, tol_grad in ((False, 1e-3, 1e-2), (True, 2e-2, 1e-1)):
+        got = dflash_run(on_dev, batch_dev, autocast)
+        r = {"check": "dflash", "device": dev, "autocast_bf16": autocast, "loss_ref_cpu_fp32": round(float(ref[0]), 5),
+             "loss": round(float(got[0]), 5)}
+        ok = bool(torch.isfinite(got[0]) and all(torch.isfinite(v).all() for v in got[2].values()) and set(got[2]) == set(ref[2]))
+        counts_equal = torch.equal(got[1][:, [1, 3]].cpu(), ref[1][:, [1, 3]])  # rows in the draft vocabulary, scored rows
+        r["rel_loss_vs_cpu_fp32"] = rel(got[0].cpu(), ref[0])
+        r["rel_ce_sums_vs_cpu_fp32"] = rel(got[1][:, 0].cpu(), ref[1][:, 0])
+        r["worst_rel_grad_vs_cpu_fp32"] = max((rel(got[2][n].cpu(), ref[2][n]), n) for n in ref[2])
+        r["ok"] = bool(ok and counts_equal and r["rel_loss_vs_cpu_fp32"] < tol_loss and r["rel_ce_sums_vs_cpu_fp32"] < tol_loss
+                       and r["worst_rel_grad_vs_cpu_fp32"][0] < tol_grad and "mask_embedding" in got[2])
+        print(json.dumps(r), flush=True)
+        if not r["ok"]:
+            failures.append(r)
+    params = [p for p in on_dev.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = steps_lower_loss(on_dev, opt, params, lambda mm: mm.loss(*batch_dev, gamma=4.0)[0], dev)
+    r = {"check": "dflash", "train_steps_loss": losses, "ok": bool(losses[-1] < 0.98 * losses[0] and torch.isfinite(torch.tensor(losses)).all())}
+    print(json.dumps(r), flush=True)
+    if not r["ok"]:
+        failures.append(r)
+    return failures
+
+
+CHECKS = {"eagle3": check_eagle3, "peagle": check_peagle, "dflash": check_dflash}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kinds", nargs="+", choices=list(CHECKS), default=list(CHECKS), help="the draft kinds to check (default: all)")
+    p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu (the CPU variants: no compile, "
+                   "flex attention's patterns as dense masks)")
+    a = p.parse_args()
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    failures = []
+    for kind in a.kinds:
+        t0 = time.perf_counter()
+        found = CHECKS[kind](dev)
+        print(f"CHECK {kind} on {dev}: {'OK' if not found else 'FAILED'} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        failures += found
     if failures:
         print("GPU CHECK FAILED: " + json.dumps(failures, default=str), flush=True)
         sys.exit(1)
