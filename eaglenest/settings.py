@@ -332,7 +332,7 @@ class ValidateSettings(Stage):
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
     # Other exported drafts measured beside this run's: [{name, path}]. Not in the fingerprint (curve_point
     # shares it): validate_draft takes their directories as inputs and the list as a param of its own.
-    drafts: list[dict] = setting("validate.drafts", reruns=False)
+    other_drafts: list[dict] = setting("validate.drafts", reruns=False)
 
     def fingerprint(self) -> dict:
         out = super().fingerprint()

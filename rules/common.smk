@@ -171,7 +171,7 @@ def draft_dirs():
 
 def extra_draft_dirs():
     """The directories of validate.drafts, measured beside this run's draft: a change in one reruns validate_draft."""
-    return [d["path"] for d in VALIDATE.drafts]
+    return [d["path"] for d in VALIDATE.other_drafts]
 
 
 def snapshot_files():

@@ -17,7 +17,7 @@ rule validate_draft:
         html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
     params:
         settings=VALIDATE.fingerprint(),
-        drafts=VALIDATE.drafts,
+        drafts=VALIDATE.other_drafts,
         log_dir="logs/validate",
     threads: all_cores()
     resources:

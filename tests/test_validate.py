@@ -226,7 +226,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
     settings = ValidateSettings.defaults().replace(
         server=server, generation={"max_tokens": 8}, target=server["model"], validate={"temperatures": [0, 1.0]},
-        hidden_backend="vllm", drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
+        hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
     logged = []
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
                               log=logged.append)

@@ -569,7 +569,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     # The matrix: every set at every temperature, each measured on every server start.
     sets = resolve_sets(s["datasets"], heldout_path)
     cells = _matrix_cells(s, sets, prompts, generation, cache_dir, log)
-    plan, formats, extras = _run_plan(drafts, settings.drafts, srv, s, k, log)
+    plan, formats, extras = _run_plan(drafts, settings.other_drafts, srv, s, k, log)
     engine = _offline_engine(s["offline"], hidden_backend)
     runs = _measure_runs(plan, srv, s, k, prompts, headline, cells, engine=engine, log_dir=log_dir,
                          workflow_pid=workflow_pid, log=log, headline_only={e["run"] for e in extras.values()})
