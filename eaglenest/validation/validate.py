@@ -531,7 +531,7 @@ def _log_summary(report: dict, offline: dict, concurrency, json_path, html_path,
         f"{_fmt(n.get('drafted_share'), '.0%')} of steps); speed-up ×{report['speedup']:.2f} (n-gram "
         f"×{_fmt(report.get('ngram_speedup'), '.2f')}) one request at a time, ×{report['speedup_concurrent']:.2f} at "
         f"{concurrency} in flight; {len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
-    for row in report["drafts"]:
+    for row in report.get("drafts") or []:
         log(f"validate_draft: side by side: {row['draft']} ({row['kind']}): {_fmt(row['tokens_per_step'])} tokens per "
             f"target step, per position {[round(p, 3) for p in row['per_position'] or []]}, vLLM's per drafted step "
             f"{_fmt(row['acceptance_length'])}, speed-up ×{_fmt(row['speedup'], '.2f')} one request, lossless "
