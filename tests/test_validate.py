@@ -195,7 +195,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft", config={"ttt_length": 3})
     config = json.loads((tmp_path / "draft/config.json").read_text())
     for name, extra in (("peagle", {"parallel_drafting": True, "mask_token_id": 5, "fc_norm": False, "norm_output": False}),
-                        ("dflash", {"block_size": 8, "dflash_config": {"block_size": 8, "mask_token_id": 5}})):
+                        ("dflash", {"block_size": 8, "num_hidden_layers": 1, "dflash_config": {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [0, 1, 2]}})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
     heldout = tmp_path / "heldout.jsonl"
@@ -232,7 +232,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
                               log=logged.append)
     assert list(served) == ["eagle3", "draft_p", "draft_d", "ngram", "baseline"]  # the target alone scores, last
     assert served["draft_p"][0]["parallel_drafting"] is True and served["draft_d"][0]["method"] == "dflash"
-    assert served["draft_d"][0]["num_speculative_tokens"] == 3 and any("trained for blocks of 8" in m for m in logged)
+    assert served["draft_d"][0]["num_speculative_tokens"] == 3 and any("trained for k=7" in m for m in logged)
     assert served["draft_p"][1] == [("heldout", 0.0)] and len(served["eagle3"][1]) == 2  # extras: the headline only
     rows = {r["draft"]: r for r in report["drafts"]}
     assert list(rows) == ["this run", "p", "d", "n-gram", "target alone"]

@@ -5,7 +5,8 @@
 - vLLM runs over the held-out prompts, one server at a time (each stopped before the next
   starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
   each exported format (the speculators one started as its users start it, ``vllm_format.how_to_serve``),
-  the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
+  the target with vLLM's n-gram speculation, and each of validate.drafts (another run's draft of any kind,
+  served as its config.json says; the held-out prompts at T=0 only). Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run, on one server start: output tokens/s and per-token latency
   with one request at a time (``one_request``), then output tokens/s and mean latency with
   ``validate.concurrency`` in flight (completion tokens / wall time of the timed requests, each phase
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
+from ..draft.dflash_format import config_from_json, speculative_tokens
 from ..draft.vllm_format import flat_config, how_to_serve, kind_of
 from ..errors import ServerError, TracesError, ValidationError
 from ..serving.lifecycle import wait_ready
@@ -412,12 +414,11 @@ def _run_plan(drafts: dict, extra: list[dict], srv: ServerConfig, s: dict, k: in
         run = f"draft_{d['name']}"
         extras[d["name"]] = {"run": run, "kind": kind_of(config), "path": str(Path(d["path"]).resolve())}
         plan[run] = how_to_serve("vllm", d["path"], k, srv.model, version)
-        if "dflash_config" in config:
-            trained_for = config.get("block_size") or config["dflash_config"].get("block_size")
-            if trained_for and trained_for - 1 != k:
-                log(f"validate_draft: DFlash draft '{d['name']}' was trained for blocks of {trained_for} "
-                    f"(k={trained_for - 1}); served at validate.num_speculative_tokens {k}")
-                extras[d["name"]]["note"] = f"trained for k={trained_for - 1}, served at k={k}"
+        trained_k = speculative_tokens(config_from_json(config)[0]) if extras[d["name"]]["kind"] == "dflash" else k
+        if trained_k != k:  # vLLM serves a DFlash draft at any k: its block is k + 1 slots
+            log(f"validate_draft: DFlash draft '{d['name']}' was trained for k={trained_k} (its block less the anchor); "
+                f"served at validate.num_speculative_tokens {k}")
+            extras[d["name"]]["note"] = f"trained for k={trained_k}, served at k={k}"
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
     return plan, formats, extras
 
