@@ -102,6 +102,8 @@ def test_config_json_reads_back_as_written(tmp_path):
 
 
 # ----------------------------------------------------------------------------- trained on the toy's own answers
+# (the toy_states and toy_dflash fixtures: tests/support/drafts.py; vLLM serves the trained draft in the default
+# run's validation, tests/test_default_workflow.py::test_default_report_sets_a_peagle_and_a_dflash_draft_beside_its_own)
 
 
 def acceptance_length(draft, shards, k):
