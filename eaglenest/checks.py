@@ -282,6 +282,19 @@ def check_ttt(config: dict) -> str | None:
             f"or train.ttt_length to {k} or more")
 
 
+def check_drafts(config: dict, workdir: Path) -> list[str]:
+    """Each of validate.drafts an exported draft directory with its config.json (relative paths: to the working
+    directory), so validation does not find it missing after the hours before it."""
+    errors = []
+    for draft in config["validate"]["drafts"]:
+        path = workdir / draft["path"]
+        if not (path / "config.json").is_file():
+            what = "has no config.json" if path.is_dir() else "is not a directory"
+            errors.append(f"validate.drafts '{draft['name']}': {path} {what}; point path at an exported draft "
+                          f"directory (another run's draft/checkpoint)")
+    return errors
+
+
 def check_stream_disk(config: dict, plan, workdir: Path) -> list[str]:
     """Stream mode's disk budget: at least one per-request file of the longest sequence (what train_draft checks
     again with the traces' own lengths), and no more than the working directory's disk has free."""
@@ -521,6 +534,7 @@ def review_config(config: dict, plan, workdir: str | Path = ".", *, has_gpu: boo
     workdir, review = Path(workdir), Review()
     check_target(config, workdir, review)
     review.add(*check_datasets(config, workdir))
+    review.add(*check_drafts(config, workdir))
     found, notes = check_columns(config, workdir)
     review.add(*found)
     review.skipped += notes

@@ -330,6 +330,14 @@ class ValidateSettings(Stage):
     hidden_dtype: str = setting("hidden.dtype")
     hidden_backend: str = setting("hidden.backend")
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
+    # Other exported drafts measured beside this run's: [{name, path}]. Not in the fingerprint (curve_point
+    # shares it): validate_draft takes their directories as inputs and the list as a param of its own.
+    other_drafts: list[dict] = setting("validate.drafts", reruns=False)
+
+    def fingerprint(self) -> dict:
+        out = super().fingerprint()
+        out["validate"] = {k: v for k, v in out["validate"].items() if k != "drafts"}
+        return out
 
 
 def target_models(config: dict) -> list[str]:

@@ -169,6 +169,11 @@ def draft_dirs():
     return {f: d for f, d in DRAFT_DIRS.items() if fmt in (f, "both")}
 
 
+def extra_draft_dirs():
+    """The directories of validate.drafts, measured beside this run's draft: a change in one reruns validate_draft."""
+    return [d["path"] for d in VALIDATE.other_drafts]
+
+
 def snapshot_files():
     """The drafts train_draft keeps along training (train.snapshots), each measured by rule curve_point."""
     return expand("draft/curve/point_{i}.safetensors", i=range(1, TRAIN.snapshots + 1))

@@ -1,8 +1,9 @@
 rule validate_draft:
-    """The draft in real vLLM (target alone, EAGLE-3 in each exported format, n-gram; one server at a time) vs the
-    offline prediction; the acceptance figures go into the drafts' model cards."""
+    """The draft in real vLLM (target alone, EAGLE-3 in each exported format, n-gram, validate.drafts; one server
+    at a time) vs the offline prediction; the acceptance figures go into the drafts' model cards."""
     input:
         **draft_dirs(),
+        extra_drafts=extra_draft_dirs(),
         checkpoint="draft/checkpoint.safetensors",
         heldout="data/prompts/heldout.jsonl",
         evalsets=evalset_files(),
@@ -16,6 +17,7 @@ rule validate_draft:
         html=report("reports/validation.html", caption="../report/validation.rst", category="Validation"),
     params:
         settings=VALIDATE.fingerprint(),
+        drafts=VALIDATE.other_drafts,
         log_dir="logs/validate",
     threads: all_cores()
     resources:

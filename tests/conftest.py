@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from tests.support.config import VLLM_BACKEND_RUN, default_config, write_config
+from tests.support.drafts import toy_states as make_toy_states
+from tests.support.drafts import train_toy_dflash
+from tests.support.measure import train_on_run
 from tests.support.scheduling import (UNITS_KEY, make_scheduler, pin_share, schedule_order, schedule_units,
                                       shared_run, write_units)
 from tests.support.servers import server_gone, start_toy_server
@@ -62,17 +65,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 @shared_run
-def default_run(tmp_path_factory):
+def default_run(tmp_path_factory, toy_dflash):
     """The default workflow (config.yaml, made portable) run to the end, the suite's most expensive run:
-    (wd, cfg, its validation report). EAGLENEST_DEFAULT_RUN: a directory of an earlier run of this
-    fixture to finish or reuse (Snakemake redoes only what is stale there), for working on the
-    assertions without a fresh run."""
+    (wd, cfg, its validation report). Its validation serves two drafts of the other kinds beside its own
+    (validate.drafts, added to its config.yaml once its states are made): ``peagle``, trained on its states
+    with draft.kind peagle (its training settings), and ``dflash``, the toy's DFlash draft (``toy_dflash``):
+    one vLLM start each, the starts the tests that served them alone made. EAGLENEST_DEFAULT_RUN: a
+    directory of an earlier run of this fixture to finish or reuse (Snakemake redoes only what is stale
+    there), for working on the assertions without a fresh run."""
     reuse = os.environ.get("EAGLENEST_DEFAULT_RUN")
     wd = Path(reuse) if reuse else tmp_path_factory.mktemp("default")
     if not (wd / "config.yaml").exists():
         (wd / "config.yaml").write_text(yaml.safe_dump(default_config()))
     cfg = yaml.safe_load((wd / "config.yaml").read_text())
     t0 = time.monotonic()
+    run_snakemake(wd, "draft/checkpoint", timeout=3600)
+    if not (wd / "peagle/draft/config.json").exists():  # kept on reuse: a new one would rerun the validation
+        train_on_run(wd, cfg, wd / "peagle", kind="peagle")
+    if not (wd / "dflash/config.json").exists():
+        shutil.copytree(toy_dflash / "export", wd / "dflash")
+    cfg.setdefault("validate", {})["drafts"] = [{"name": "peagle", "path": str(wd / "peagle/draft")},
+                                                {"name": "dflash", "path": str(wd / "dflash")}]
+    (wd / "config.yaml").write_text(yaml.safe_dump(cfg))
     run_snakemake(wd, timeout=3600)
     seconds = time.monotonic() - t0
     (wd / "wall_seconds.txt").write_text(f"{seconds:.0f}\n")
@@ -158,6 +172,19 @@ def toy_server(tmp_path_factory):
     yield cfg, record
     stop_local(LocalPaths(log_dir))
     server_gone(cfg.port, pgids=[record["pgid"]])
+
+
+@pytest.fixture(scope="session")
+def toy_states(tmp_path_factory):
+    """The toy's own greedy answers, their hidden states and a draft vocabulary, made without a server
+    (tests/support/drafts.py): the DFlash tests train on them."""
+    return make_toy_states(tmp_path_factory.mktemp("dflash_toy"))
+
+
+@pytest.fixture(scope="session")
+def toy_dflash(toy_states, tmp_path_factory):
+    """A DFlash draft trained on ``toy_states`` and exported (``export/``): its directory."""
+    return train_toy_dflash(toy_states, tmp_path_factory.mktemp("dflash_trained"))
 
 
 @pytest.fixture(scope="session")

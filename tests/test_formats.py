@@ -23,7 +23,7 @@ from eaglenest.util import save_safetensors
 from eaglenest.validation.card import VALIDATION_MARK, write_validation
 from eaglenest.validation.predict import load_exported_draft
 from tests.support.config import TOY_TARGET, eager, write_config
-from tests.support.measure import K, measure_draft, offline_and_served, train_on_run
+from tests.support.measure import K, measure_draft
 from tests.support.workflow import run_snakemake
 from tests.test_train import CONFIG, run
 
@@ -296,28 +296,3 @@ def test_vllm_reads_d2t(validated):
     assert wrong["acceptance_length"] < 0.75 * offline, summary
     (wd / "formats.json").write_text(json.dumps({"offline": offline, "wrong_d2t": wrong["acceptance_length"],
                                                  **{f: r["acceptance_length"] for f, r in report["formats"].items()}}))
-
-
-@pytest.fixture(scope="module")
-def peagle_served(default_run):
-    """A P-EAGLE draft trained on the default run's states (its training settings, draft.kind peagle),
-    predicted offline and served in real vLLM with parallel drafting: one vLLM start."""
-    wd, cfg, _ = default_run
-    draft_dir = train_on_run(wd, cfg, wd / "peagle", kind="peagle")
-    offline, served = offline_and_served("peagle", wd, cfg, draft_dir, server=eager(cfg["server"]))
-    (wd / "peagle" / "served.json").write_text(json.dumps({"offline": offline, "vllm": served}, default=str))
-    return offline, served
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(3600)  # the session-wide default run, when these run first
-def test_vllm_serves_a_peagle_draft_with_parallel_drafting_as_predicted(peagle_served):
-    """vLLM 0.32 drafts with the P-EAGLE draft in one pass per step (parallel_drafting in the speculative
-    config validation builds): its counters move at every drafted position, and its acceptance stays
-    within 10% of the offline prediction, which proposes with the same one-forward layout."""
-    offline, served = peagle_served
-    summary = f"offline {offline['acceptance_length']:.3f} {offline['per_position']}, vLLM {served['acceptance_length']:.3f} {served['per_position']}"
-    assert served["speculative_config"]["parallel_drafting"] is True, served["speculative_config"]
-    assert served["drafts"] > 0 and offline["acceptance_length"] > 1.5, summary  # a draft worth checking
-    assert all(p > 0 for p in served["per_position"]), summary  # the masked positions draft accepted tokens too
-    assert within_prediction(served["acceptance_length"], offline["acceptance_length"]), summary

@@ -183,6 +183,67 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     assert "No offline prediction" in (tmp_path / "r.html").read_text()
 
 
+def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp_path, monkeypatch):
+    """validate.drafts: each other draft is one more vLLM run at validation's k, served as its config.json says
+    (P-EAGLE with parallel drafting, DFlash with method dflash), measured on the headline cell only, scored for
+    losslessness, and set beside this run's draft, n-gram and the target alone in validation.json and the page;
+    the matrix keeps this run's runs only (vLLM is faked: the real one in tests/test_formats.py)."""
+    from eaglenest.draft.export import export_untrained
+    from eaglenest.draft.vllm_format import kind_of
+    from eaglenest.validation import validate as v
+
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft", config={"ttt_length": 3})
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    for name, extra in (("peagle", {"parallel_drafting": True, "mask_token_id": 5, "fc_norm": False, "norm_output": False}),
+                        ("dflash", {"block_size": 8, "num_hidden_layers": 1, "dflash_config": {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [0, 1, 2]}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": f"h{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                               for i in range(3)))
+    metrics = tmp_path / "train_metrics.csv"
+    metrics.write_text("step,loss,loss_0,loss_1,loss_2,acc_0,acc_1,acc_2,tokens\n1,2.0,2.0,2.0,2.0,0.5,0.3,0.2,100\n")
+    served = {}
+
+    def fake_run(name, server, spec, prompts, settings, *, cells=(), k=None, **_):
+        served[name] = (spec, [(c["set"], c["temperature"]) for c in cells])
+        answers = [{"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4, 5], "finish_reason": "stop", "latency_s": 0.1}
+                   for _ in prompts]
+        one = {"requests": len(prompts), "passes": 1, "completion_tokens": 9, "wall_s": 1.0,
+               "output_tokens_per_s": 18.0 if k else 9.0, "ms_per_token": 100.0, "mean_latency_s": 0.3}
+        figures = {"acceptance_length": 2.0, "acceptance_rate": 0.33, "per_position": [0.5, 0.3, 0.2], "drafts": 9,
+                   "draft_tokens": 27, "accepted": 9, "tokens_per_step": 2.0, "drafted_share": 1.0} if k else {}
+        return {"answers": answers, "one_request": one, "output_tokens_per_s": 20.0, "mean_latency_s": 0.3, "passes": 1,
+                "completion_tokens": 9, "wall_s": 1.0, "requests": 3, "seconds_to_ready": 1.0, "speculative_config": spec,
+                **figures, "cells": [{"set": c["set"], "temperature": c["temperature"], "prompts": len(c["prompts"]),
+                                      "answers": answers, "one_request": one, "output_tokens": 9,
+                                      "request_settings": v.sent_settings(c["settings"]), "scores": [-0.5] * 3, **figures}
+                                     for c in cells]}
+
+    monkeypatch.setattr(v, "measure_run", fake_run)
+    monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
+    monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
+    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
+    settings = ValidateSettings.defaults().replace(
+        server=server, generation={"max_tokens": 8}, target=server["model"], validate={"temperatures": [0, 1.0]},
+        hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
+    logged = []
+    report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
+                              log=logged.append)
+    assert list(served) == ["eagle3", "draft_p", "draft_d", "ngram", "baseline"]  # the target alone scores, last
+    assert served["draft_p"][0]["parallel_drafting"] is True and served["draft_d"][0]["method"] == "dflash"
+    assert served["draft_d"][0]["num_speculative_tokens"] == 3 and any("trained for k=7" in m for m in logged)
+    assert served["draft_p"][1] == [("heldout", 0.0)] and len(served["eagle3"][1]) == 2  # extras: the headline only
+    rows = {r["draft"]: r for r in report["drafts"]}
+    assert list(rows) == ["this run", "p", "d", "n-gram", "target alone"]
+    assert [rows[n]["kind"] for n in ("this run", "p", "d")] == [kind_of(config), "peagle", "dflash"]
+    assert rows["d"]["speedup"] == 2.0 and rows["d"]["lossless"] == "pass" and rows["d"]["identical_to_target"] == 1.0
+    assert rows["target alone"]["lossless"] == "reference" and rows["p"]["per_position"] == [0.5, 0.3, 0.2]
+    assert {c["method"] for c in report["matrix"]["cells"]} == {"baseline", "eagle3", "ngram"}
+    assert json.loads((tmp_path / "r.json").read_text())["drafts"] == report["drafts"]
+    assert "Drafts side by side" in (tmp_path / "r.html").read_text()
+
+
 def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, monkeypatch):
     """The counters are read around every timed request of a run (each one-request phase and the concurrent
     one, every pass): the tokens per step divide by the steps of all of them, not of the first pass only.

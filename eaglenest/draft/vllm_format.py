@@ -385,8 +385,17 @@ def how_to_serve(fmt: str, draft_dir, k: int, target, version=None) -> tuple[str
 
 def method_of(config: dict) -> str:
     """The ``vllm_facts.speculative_config`` method that serves the draft of this config.json (either
-    format): ``peagle`` for a parallel-drafting one, else ``eagle3``."""
+    format): ``dflash`` for a DFlash draft (its ``dflash_config``, whose mask token would otherwise read
+    as a parallel EAGLE's), ``peagle`` for a parallel-drafting one, else ``eagle3``."""
+    if "dflash_config" in config:
+        return "dflash"
     return SPECULATORS_MODEL_TYPES[draft_config_from_json(config).parallel_drafting]
+
+
+def kind_of(config: dict) -> str | None:
+    """The ``draft.kind`` that made the draft of this config.json (either format): eagle3, eagle3.1, peagle
+    or dflash (None: switches no kind names)."""
+    return "dflash" if "dflash_config" in config else draft_config_from_json(config).kind
 
 
 def serve_line(fmt: str, target, k: int, draft_dir="THIS_DIR", verifier=None, method="eagle3") -> str:

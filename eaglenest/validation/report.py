@@ -333,6 +333,35 @@ def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offli
     return report
 
 
+def _lossless(run: dict) -> str:
+    """pass / fail / not scored: the lossless check of a run's held-out T=0 cell (``validate.score_cells``)."""
+    check = next((c.get("lossless_check") for c in run.get("cells", []) if c.get("set") == "heldout"
+                  and c.get("temperature") == 0), None)
+    return "not scored" if not check else "pass" if check["lossless"] else "fail"
+
+
+def side_by_side(drafts: dict, runs: dict, identical: dict) -> list[dict]:
+    """The drafts side by side, on the held-out prompts at T=0: one row per draft (``drafts``: ``{row name:
+    {"run", "kind", "path"}}``, this run's first), then n-gram and the target alone as references. Each row:
+    tokens per target step, vLLM's acceptance per drafted step and per position, the one-request speed-up
+    over the target alone, the lossless check and the share of answers identical to the target alone's
+    (``identical``: by run name)."""
+    base = _one(runs["baseline"])
+    reference = {"n-gram": {"run": "ngram", "kind": "ngram"}, "target alone": {"run": "baseline", "kind": None}}
+    rows = []
+    for name, d in {**drafts, **reference}.items():
+        r = runs[d["run"]]
+        spec = r.get("speculative_config") or {}
+        rows.append({"draft": name, "kind": d["kind"], "path": d.get("path"), "run": d["run"],
+                     "method": spec.get("method"), "parallel_drafting": bool(spec.get("parallel_drafting")),
+                     "tokens_per_step": r.get("tokens_per_step"), "drafted_share": r.get("drafted_share"),
+                     "acceptance_length": r.get("acceptance_length"), "per_position": r.get("per_position"),
+                     "one_request_tokens_per_s": _one(r), "speedup": _ratio(_one(r), base),
+                     "lossless": "reference" if d["run"] == "baseline" else _lossless(r),
+                     "identical_to_target": identical.get(d["run"]), **({"note": d["note"]} if d.get("note") else {})})
+    return rows
+
+
 def write_report(report: dict, json_path, html_path, train_curves=None, csv_path=None) -> None:
     """validation.json, its page, and (with a matrix) validation.csv: one row per cell of the matrix."""
     if csv_path is not None and report.get("matrix"):
@@ -548,6 +577,23 @@ def _summary_html(report: dict) -> list[str]:
     return parts
 
 
+def _drafts_html(rows: list[dict]) -> list[str]:
+    """The drafts side by side (``side_by_side``'s rows)."""
+    if not rows:
+        return []
+    body = [[esc(r["draft"]), esc(r["kind"] or "–"), esc(r["method"] or "–") + (" (parallel)" if r["parallel_drafting"] else ""),
+             _num(r["tokens_per_step"], 3), ", ".join(_num(p, 3) for p in r["per_position"] or []) or "–",
+             _num(r["acceptance_length"], 3), _num(r["drafted_share"], 2), _num(r["one_request_tokens_per_s"], 1),
+             _num(r["speedup"], 2), esc(r["lossless"]), _num(r["identical_to_target"], 2)] for r in rows]
+    return ["<h2>Drafts side by side</h2>",
+            _table(["draft", "kind", "served as", "tokens per target step", "per position", PER_DRAFTED_STEP,
+                    "share of steps drafted", "1 request: output tok/s", "1 request: speed-up", "lossless",
+                    "answers identical to the target's"], body),
+            '<p class="muted">Held-out prompts at T=0, each draft one vLLM start at validate.num_speculative_tokens '
+            '(validate.drafts: headline prompts only, not the matrix). Lossless: the check of the outputs\' '
+            'log-probabilities under the target against the target alone\'s.</p>']
+
+
 def render_html(report: dict, train_curves: dict | None = None) -> str:
     """The whole report page. ``train_curves``: columns of train_metrics.csv (see read_train_metrics)."""
     parts = _head_html(report)
@@ -556,6 +602,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
         parts.append("<h2>Held-out set at T=0: vLLM against the offline prediction</h2>")
     parts += _verdict_html(report)
     parts += _summary_html(report)
+    parts += _drafts_html(report.get("drafts") or [])
     parts += _curve_html(report.get("curve"), (report.get("ngram") or {}).get("tokens_per_step"))
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")

@@ -5,7 +5,8 @@
 - vLLM runs over the held-out prompts, one server at a time (each stopped before the next
   starts, so GPUs are free between them): the target alone, the target with the EAGLE-3 draft in
   each exported format (the speculators one started as its users start it, ``vllm_format.how_to_serve``),
-  the target with vLLM's n-gram speculation. Same greedy settings for all, sent by the traces client
+  the target with vLLM's n-gram speculation, and each of validate.drafts (another run's draft of any kind,
+  served as its config.json says; the held-out prompts at T=0 only). Same greedy settings for all, sent by the traces client
   (``traces.answer_prompts``). Per run, on one server start: output tokens/s and per-token latency
   with one request at a time (``one_request``), then output tokens/s and mean latency with
   ``validate.concurrency`` in flight (completion tokens / wall time of the timed requests, each phase
@@ -30,7 +31,8 @@ from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
 from ..data.traces import GENERATION_DEFAULTS, answer_prompts
-from ..draft.vllm_format import flat_config, how_to_serve
+from ..draft.dflash_format import config_from_json, speculative_tokens
+from ..draft.vllm_format import flat_config, how_to_serve, kind_of
 from ..errors import ServerError, TracesError, ValidationError
 from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
@@ -45,8 +47,8 @@ from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
 from .predict import offline_acceptance
-from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, train_summary,
-                     write_report)
+from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, side_by_side,
+                     train_summary, write_report)
 
 DEFAULTS = defaults("validate")  # the schema's `validate:` section (the only place defaults are written)
 OFFLINE_SKIPPED = ("validate.offline.engine resolves to none (hidden.backend {backend}): the offline prediction needs the "
@@ -327,6 +329,16 @@ def draft_vocabulary(draft_dir) -> dict:
     return {"draft_vocab_size": config.get("draft_vocab_size"), "vocab_size": config.get("vocab_size")}
 
 
+def identical_share(run: dict, baseline: dict) -> float | None:
+    """The share of a run's held-out T=0 answers (its headline cell's) that are the target alone's token for
+    token; None where either has none."""
+    def answers(r):
+        return next((c["answers"] for c in r.get("cells", []) if c.get("headline")), r.get("answers"))
+
+    pairs = [(a["completion_token_ids"], b["completion_token_ids"]) for a, b in zip(answers(run) or [], answers(baseline) or [])]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
 def answer_sequences(cell: dict) -> list[tuple]:
     """A cell's outputs as ``(prompt_ids, completion_ids)``, what the lossless scores are computed over."""
     return [(a["prompt_token_ids"] or [], a["completion_token_ids"]) for a in cell["answers"]]
@@ -385,10 +397,11 @@ def _matrix_cells(s: dict, sets: list[dict], prompts, generation: dict, cache_di
     return cells
 
 
-def _run_plan(drafts: dict, srv: ServerConfig, s: dict, k: int, log) -> tuple[dict, dict]:
+def _run_plan(drafts: dict, extra: list[dict], srv: ServerConfig, s: dict, k: int, log) -> tuple[dict, dict, dict]:
     """The vLLM runs in order -> (``{name: (--model, speculative config, served as)}``, ``{export format:
-    its run's name}``): the target alone, each exported format of the draft, n-gram."""
-    formats = {}
+    its run's name}``, ``{extra draft's name: {"run", "kind", "path"}}``): the target alone, each exported
+    format of the draft, each of ``extra`` (validate.drafts, served as its config.json says), n-gram."""
+    formats, extras = {}, {}
     plan = {"baseline": (srv.model, speculative_config("baseline", k), None)}
     version = vllm_version(srv.python)  # how a speculators draft can be started differs by release
     if supported_version_note(version):
@@ -396,8 +409,18 @@ def _run_plan(drafts: dict, srv: ServerConfig, s: dict, k: int, log) -> tuple[di
     for i, (fmt, path) in enumerate(drafts.items()):
         formats[fmt] = name = "eagle3" if i == 0 else f"eagle3_{fmt}"
         plan[name] = how_to_serve(fmt, path, k, srv.model, version)
+    for d in extra:
+        config = json.loads((Path(d["path"]) / "config.json").read_text())
+        run = f"draft_{d['name']}"
+        extras[d["name"]] = {"run": run, "kind": kind_of(config), "path": str(Path(d["path"]).resolve())}
+        plan[run] = how_to_serve("vllm", d["path"], k, srv.model, version)
+        trained_k = speculative_tokens(config_from_json(config)[0]) if extras[d["name"]]["kind"] == "dflash" else k
+        if trained_k != k:  # vLLM serves a DFlash draft at any k: its block is k + 1 slots
+            log(f"validate_draft: DFlash draft '{d['name']}' was trained for k={trained_k} (its block less the anchor); "
+                f"served at validate.num_speculative_tokens {k}")
+            extras[d["name"]]["note"] = f"trained for k={trained_k}, served at k={k}"
     plan["ngram"] = (srv.model, speculative_config("ngram", k, ngram=s["ngram"]), None)
-    return plan, formats
+    return plan, formats, extras
 
 
 def _offline_engine(offline: dict, hidden_backend: str) -> str:
@@ -409,9 +432,10 @@ def _offline_engine(offline: dict, hidden_backend: str) -> str:
 
 
 def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, settings, cells, *, engine, log_dir,
-                  workflow_pid, log) -> dict:
+                  workflow_pid, log, headline_only=()) -> dict:
     """Every run of ``plan`` measured in vLLM, one server at a time (``measure_run``) -> ``{name: result}``.
-    With ``engine`` "none" the target alone runs last and scores every run's outputs before it stops."""
+    With ``engine`` "none" the target alone runs last and scores every run's outputs before it stops. The runs
+    in ``headline_only`` (validate.drafts') measure the headline cell alone, not the matrix."""
     runs, before_stop = {}, {}
     if engine == "none":
         # No transformers copy of the target: the target-alone server scores every run's outputs, so it runs last.
@@ -434,7 +458,8 @@ def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, setti
             runs[name] = measure_run(name, run_srv, spec, prompts, settings, log_dir=log_dir, concurrency=s["concurrency"],
                                      warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
                                      workflow_pid=workflow_pid, log=log, k=None if name in ("baseline", "ngram") else k,
-                                     cells=cells, before_stop=before_stop.get(name))
+                                     cells=[c for c in cells if c["headline"]] if name in headline_only else cells,
+                                     before_stop=before_stop.get(name))
         except ServerError as e:
             raise ValidationError(f"validation run '{name}' could not start vLLM: {e}") from e
         if served_as:
@@ -465,10 +490,12 @@ def _offline_prediction(target, draft_dir, runs: dict, prompts, s: dict, k: int,
     return model, offline
 
 
-def _report(drafts: dict, formats: dict, runs: dict, offline: dict, sets, s: dict, srv: ServerConfig, *, target, prompts,
-            generation, checkpoint_path, metrics_path, curve_paths) -> tuple[dict, dict]:
-    """-> (the report dict ``report.build_report`` makes of the runs, the training metrics' columns)."""
+def _report(drafts: dict, formats: dict, extras: dict, runs: dict, offline: dict, sets, s: dict, srv: ServerConfig, *,
+            target, prompts, generation, checkpoint_path, metrics_path, curve_paths, identical: dict) -> tuple[dict, dict]:
+    """-> (the report dict ``report.build_report`` makes of the runs, the training metrics' columns). The runs of
+    ``extras`` (validate.drafts) are only in its drafts side by side (``report.side_by_side``)."""
     draft_dir, k = next(iter(drafts.values())), s["num_speculative_tokens"]
+    everything, runs = runs, {name: r for name, r in runs.items() if name not in {e["run"] for e in extras.values()}}
     checks = cross_checks(target, prompts, runs, generation, offline)
     if checkpoint_path is not None:
         # Every exported format against the training checkpoint, each read back as vLLM reads it.
@@ -487,6 +514,9 @@ def _report(drafts: dict, formats: dict, runs: dict, offline: dict, sets, s: dic
                   "max_model_len": srv.max_model_len, "server": f"{srv.host}:{srv.port or 'a free port per run'}",
                   **draft_vocabulary(draft_dir)},
     )
+    main = {"run": "eagle3", "kind": kind_of(json.loads((Path(draft_dir) / "config.json").read_text())),
+            "path": str(Path(draft_dir).resolve())}
+    report["drafts"] = side_by_side({"this run": main, **extras}, everything, identical)
     return report, curves
 
 
@@ -502,6 +532,11 @@ def _log_summary(report: dict, offline: dict, concurrency, json_path, html_path,
         f"{_fmt(n.get('drafted_share'), '.0%')} of steps); speed-up ×{report['speedup']:.2f} (n-gram "
         f"×{_fmt(report.get('ngram_speedup'), '.2f')}) one request at a time, ×{report['speedup_concurrent']:.2f} at "
         f"{concurrency} in flight; {len(report['warnings'])} warning(s); {report['seconds']} s -> {json_path}, {html_path}")
+    for row in report.get("drafts") or []:
+        log(f"validate_draft: side by side: {row['draft']} ({row['kind']}): {_fmt(row['tokens_per_step'])} tokens per "
+            f"target step, per position {[round(p, 3) for p in row['per_position'] or []]}, vLLM's per drafted step "
+            f"{_fmt(row['acceptance_length'])}, speed-up ×{_fmt(row['speedup'], '.2f')} one request, lossless "
+            f"{row['lossless']}")
     if report.get("curve"):
         log("validate_draft: tokens per target step along training: " + ", ".join(
             f"step {p['step']} {_fmt(p.get('tokens_per_step'))}" for p in report["curve"]["points"]))
@@ -535,18 +570,20 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     # The matrix: every set at every temperature, each measured on every server start.
     sets = resolve_sets(s["datasets"], heldout_path)
     cells = _matrix_cells(s, sets, prompts, generation, cache_dir, log)
-    plan, formats = _run_plan(drafts, srv, s, k, log)
+    plan, formats, extras = _run_plan(drafts, settings.other_drafts, srv, s, k, log)
     engine = _offline_engine(s["offline"], hidden_backend)
     runs = _measure_runs(plan, srv, s, k, prompts, headline, cells, engine=engine, log_dir=log_dir,
-                         workflow_pid=workflow_pid, log=log)
+                         workflow_pid=workflow_pid, log=log, headline_only={e["run"] for e in extras.values()})
+    # Whether each run's T=0 held-out answers are the target alone's token for token (before the scores drop them).
+    identical = {name: identical_share(r, runs["baseline"]) for name, r in runs.items()}
     model, offline = _offline_prediction(target, draft_dir, runs, prompts, s, k, generation, engine=engine,
                                          hidden_dtype=hidden_dtype, hidden_backend=hidden_backend, log=log)
     score_cells(runs, model, alpha=s["lossless_alpha"], tolerance=s["lossless_tolerance"], log=log)
     del model
 
-    report, curves = _report(drafts, formats, runs, offline, sets, s, srv, target=target, prompts=prompts,
+    report, curves = _report(drafts, formats, extras, runs, offline, sets, s, srv, target=target, prompts=prompts,
                              generation=generation, checkpoint_path=checkpoint_path, metrics_path=metrics_path,
-                             curve_paths=curve_paths)
+                             curve_paths=curve_paths, identical=identical)
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves, csv_path=csv_path)
     matrix_lines = matrix_markdown(report["matrix"]) if report.get("matrix") else []

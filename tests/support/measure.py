@@ -44,15 +44,11 @@ def train_on_run(wd: Path, cfg: dict, out: Path, **draft) -> Path:
     return out / "draft"
 
 
-def offline_and_served(name, wd: Path, cfg: dict, draft_dir: Path, *, server: dict) -> tuple[dict, dict]:
-    """The draft in `draft_dir` predicted offline (the transformers target's greedy answers to the run's
-    held-out prompts, K tokens) and measured in vLLM, served as validation serves it (how_to_serve)."""
-    from eaglenest.draft.vllm_format import how_to_serve
+def offline_prediction(wd: Path, cfg: dict, draft_dir: Path) -> dict:
+    """The draft in `draft_dir` predicted offline: the transformers target's greedy answers to the held-out
+    prompts of the run in `wd`, K tokens (what vLLM's figure for it is checked against)."""
     from eaglenest.validation.predict import offline_acceptance
     from eaglenest.validation.validate import read_prompts
 
-    prompts = read_prompts(wd / "data/prompts/heldout.jsonl")
-    offline = offline_acceptance(cfg["server"]["model"], draft_dir, k=K, prompts=prompts, dtype="float32", device="cpu",
-                                 max_tokens=cfg["generation"]["max_tokens"], progress=False)
-    _, spec, _ = how_to_serve("vllm", draft_dir, K, cfg["server"]["model"])
-    return offline, measure_draft(name, wd, cfg, spec, server=server)
+    return offline_acceptance(cfg["server"]["model"], draft_dir, k=K, prompts=read_prompts(wd / "data/prompts/heldout.jsonl"),
+                              dtype="float32", device="cpu", max_tokens=cfg["generation"]["max_tokens"], progress=False)
