@@ -192,6 +192,12 @@ def config_value(config: dict, key: str):
     return CONFIG_DEFAULTS.get(key) if value is None else value
 
 
+def drafts_in_parallel(flat: dict) -> bool:
+    """Whether a flat config.json (``flat_config``) is a P-EAGLE draft's: our ``parallel_drafting`` key, else,
+    without it, a mask token vLLM would take."""
+    return bool(flat.get("parallel_drafting", mask_token_of(flat) is not None))
+
+
 def draft_config_from_json(config: dict):
     """The ``model.DraftConfig`` vLLM builds from a draft's config.json, its defaults where keys are absent."""
     config = flat_config(config)
@@ -199,7 +205,7 @@ def draft_config_from_json(config: dict):
     ids = config.get("eagle_aux_hidden_state_layer_ids") or []
     rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config_value(config, "rope_theta")}
     mask_token_id = mask_token_of(config)
-    parallel = bool(config.get("parallel_drafting", mask_token_id is not None))  # without our key: a mask token says so
+    parallel = drafts_in_parallel(config)
     return DraftConfig(
         hidden_size=hidden,
         intermediate_size=config["intermediate_size"],
@@ -389,7 +395,7 @@ def method_of(config: dict) -> str:
     as a parallel EAGLE's), ``peagle`` for a parallel-drafting one, else ``eagle3``."""
     if "dflash_config" in config:
         return "dflash"
-    return SPECULATORS_MODEL_TYPES[draft_config_from_json(config).parallel_drafting]
+    return SPECULATORS_MODEL_TYPES[drafts_in_parallel(flat_config(config))]
 
 
 def kind_of(config: dict) -> str | None:
