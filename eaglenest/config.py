@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError
+from .packaged import file_settings, resolve_config
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
@@ -102,21 +103,7 @@ def validate_config(config: dict, schema: dict | None = None, source: str = "con
             else:
                 lines.append(f"{_key_path(e)}: {e.message}")
         raise ConfigError(f"{source} is not valid ({SCHEMA_PATH.name}):\n  " + "\n  ".join(lines))
-    from .packaged import resolve_config  # pkg:<module>/<file> names -> the installed files' paths
-
-    return resolve_config(config)
-
-
-def file_settings(config: dict):
-    """``(key, holder, name)`` of every setting that names a file or directory, a hub name or a ``pkg:`` file
-    (server.model, hidden.target, dataset.path, validate.datasets[i].path): ``holder[name]`` is its value."""
-    for section, name in (("server", "model"), ("hidden", "target"), ("dataset", "path")):
-        holder = config.get(section)
-        if isinstance(holder, dict) and isinstance(holder.get(name), str):
-            yield f"{section}.{name}", holder, name
-    for i, spec in enumerate((config.get("validate") or {}).get("datasets") or []):
-        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
-            yield f"validate.datasets[{i}].path", spec, "path"
+    return resolve_config(config)  # pkg:<module>/<file> names -> the installed files' paths
 
 
 def resolve_shipped_paths(config: dict, workdir: str | Path, basedir: str | Path) -> list[str]:

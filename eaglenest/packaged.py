@@ -43,9 +43,20 @@ def packaged_file(value: str, key: str) -> str:
     raise ConfigError(f"{key}: {value!r}: package {module!r} (at {roots[0]}) holds no file {inner!r}")
 
 
+def file_settings(config: dict):
+    """``(key, holder, name)`` of every setting that names a file or directory, a hub name or a ``pkg:`` file
+    (server.model, hidden.target, dataset.path, validate.datasets[i].path): ``holder[name]`` is its value."""
+    for section, name in (("server", "model"), ("hidden", "target"), ("dataset", "path")):
+        holder = config.get(section)
+        if isinstance(holder, dict) and isinstance(holder.get(name), str):
+            yield f"{section}.{name}", holder, name
+    for i, spec in enumerate((config.get("validate") or {}).get("datasets") or []):
+        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
+            yield f"validate.datasets[{i}].path", spec, "path"
+
+
 def resolve_config(config: dict) -> dict:
     """``config`` with every ``pkg:`` name of the keys that take a file replaced by the file's path (in place)."""
-    from .config import file_settings  # config imports this module where it validates
 
     for key, holder, name in file_settings(config):
         if is_packaged(holder[name]):
