@@ -14,19 +14,18 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .config import matrix_temperatures
-from .data.prompts import same_prompts
-from .gguf import is_gguf
-from .gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
-from .serving.settings import ServerConfig
-from .serving.slurm import SlurmSettings
-from .serving.slurm import server_gpus as slurm_server_gpus
-from .states.preflight import bytes_per_token, target_config
+from ..config import matrix_temperatures
+from ..data.prompts import same_prompts
+from ..gguf import is_gguf
+from ..gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
+from ..serving.settings import ServerConfig
+from ..serving.slurm import SlurmSettings
+from ..serving.slurm import server_gpus as slurm_server_gpus
+from ..states.preflight import bytes_per_token, target_config
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
@@ -321,7 +320,7 @@ def validation_refusal(plan: "Plan", limit_minutes: int | None) -> str | None:
 
 def answers_fingerprint(config: dict) -> str:
     """The fingerprint trace shards of this config carry: its served model and answer settings."""
-    from .data.traces import fingerprint
+    from ..data.traces import fingerprint
 
     return fingerprint(ServerConfig.from_dict(config["server"]).model_id, config["generation"])
 
@@ -593,36 +592,3 @@ def disk_parts(p: Plan) -> list[tuple[str, int | None, str]]:
     return [("the target's weights", p.weights_bytes, p.weights_source),
             ("traces", traces, f"about {TRACE_BYTES_PER_TOKEN} B a token" if traces is not None else "the prompts are unknown"),
             ("hidden states", *hidden)]
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    import yaml
-
-    from .config import resolve_shipped_paths, validate_config
-
-    p = argparse.ArgumentParser(prog="python -m eaglenest.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: config.yaml)")
-    p.add_argument("--directory", "-d", default=".", help="the working directory (default: here)")
-    args = p.parse_args(argv)
-    from .checks import check_config
-    from .errors import EaglenestError
-
-    try:  # a config the user can fix: one line, no traceback
-        config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
-        resolve_shipped_paths(config, args.directory, Path(__file__).resolve().parent.parent)
-        has_gpu = bool(shutil.which("nvidia-smi"))
-        plan = make_plan(config, args.directory, has_gpu=has_gpu)
-    except (EaglenestError, OSError) as e:
-        sys.exit(f"{args.configfile}: {e}")
-    try:
-        plan.skipped = check_config(config, plan, args.directory, has_gpu=has_gpu)
-    except EaglenestError as e:  # the plan still shows what the run would cost, then every setting to fix
-        print(format_plan(plan))
-        sys.exit(f"{args.configfile}: {e}")
-    print(format_plan(plan))
-
-
-if __name__ == "__main__":
-    main()
