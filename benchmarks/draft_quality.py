@@ -197,8 +197,11 @@ def write_data(lay: Layout, gguf, mtbench, *, answers, heldout, chunk, batch, de
     prefix, stop = user_turn(tok)
     prefix_ids = tok.encode(prefix, add_special_tokens=False)
     wanted, questions, seen, asked = answers + heldout, [], set(), 0
+    kept = lay.root / "questions.jsonl"  # a rerun after a cut call starts from the questions already written
     if questions_file:  # given questions instead of the target's own (a quick run on a CPU)
         questions = [q["messages"][0]["content"] if "messages" in q else q["turns"][-1] for q in read_jsonl(questions_file)]
+    elif kept.exists():
+        questions = [q["question"] for q in read_jsonl(kept)]
     while len(questions) < wanted and asked < 3 * wanted:
         n = min(batch * 8, 3 * wanted - asked)
         got = batched_generate(model, tok, [prefix_ids] * n, max_new_tokens=g["max_tokens"], stop_ids=stop, batch=batch,
@@ -212,20 +215,28 @@ def write_data(lay: Layout, gguf, mtbench, *, answers, heldout, chunk, batch, de
                 questions.append(text)
         log(f"data: {len(questions)} distinct questions from {asked} samples")
     questions = questions[:wanted]
+    if not questions_file:
+        write_jsonl(kept, [{"question": q} for q in questions])
     log(f"data: {len(questions)} questions in {time.time() - t0:.0f} s")
 
-    # greedy answers (the preset's max_tokens), in trace-record format
+    # greedy answers (the preset's max_tokens), in trace-record format, a file at a time: each written as soon
+    # as it is answered, and one already there is not asked again (a call cut by its time limit loses one file)
     prompts = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)] + mt
-    prompt_ids = [chat_prompt_ids(tok, p["messages"]) for p in prompts]
-    done = batched_generate(model, tok, prompt_ids, max_new_tokens=max_tokens or gen["max_tokens"], stop_ids=eos, batch=batch,
-                            desc="answers")
-    records = [{"id": p["id"], "prompt_token_ids": ids, "completion_token_ids": c, "truncated": not fin,
-                "messages": p["messages"]} for p, ids, (c, fin) in zip(prompts, prompt_ids, done)]
-    train, held, mt_rec = records[:answers], records[answers:wanted], records[wanted:]
-    for c in range(math.ceil(len(train) / chunk)):
-        write_jsonl(lay.root / "traces" / f"chunk_{c:03d}.jsonl", train[c * chunk:(c + 1) * chunk])
-    write_jsonl(lay.evalset("heldout"), held)
-    write_jsonl(lay.evalset("mt_bench"), mt_rec)
+    n_train = min(answers, len(questions))
+    files = [(lay.root / "traces" / f"chunk_{c:03d}.jsonl", c * chunk, min((c + 1) * chunk, n_train))
+             for c in range(math.ceil(n_train / chunk))]
+    files += [(lay.evalset("heldout"), n_train, len(questions)), (lay.evalset("mt_bench"), len(questions), len(prompts))]
+    for path, lo, hi in files:
+        if path.exists():
+            continue
+        group = prompts[lo:hi]
+        prompt_ids = [chat_prompt_ids(tok, p["messages"]) for p in group]
+        done = batched_generate(model, tok, prompt_ids, max_new_tokens=max_tokens or gen["max_tokens"], stop_ids=eos,
+                                batch=batch, desc=f"answers {path.name}")
+        write_jsonl(path, [{"id": p["id"], "prompt_token_ids": ids, "completion_token_ids": c, "truncated": not fin,
+                            "messages": p["messages"]} for p, ids, (c, fin) in zip(group, prompt_ids, done)])
+    train = [r for path, _, _ in files[:-2] for r in read_jsonl(path)]
+    held, mt_rec = read_jsonl(lay.evalset("heldout")), read_jsonl(lay.evalset("mt_bench"))
     tokens = sum(len(r["completion_token_ids"]) for r in train)
     log(f"data: {len(train)} answers ({tokens} completion tokens), {len(held)} held out, {len(mt_rec)} MT-Bench, "
         f"in {time.time() - t0:.0f} s")
@@ -636,8 +647,10 @@ def main(argv=None):
                     overrides = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
                     r = train_ours(lay, n, name, {k: yaml_value(v) for k, v in overrides.items()}, a.device)
                     r["overrides"] = overrides
-                done.append({**r, "trainer": tr.partition(":")[0], "answers": n})
-                write_jsonl(out, done)
+                row = {**r, "trainer": tr.partition(":")[0], "answers": n}
+                done.append(row)
+                with open(out, "a") as f:  # one line appended: trainers run side by side append to the same file
+                    f.write(json.dumps(row) + "\n")
     elif a.stage == "eval":
         trainers = sorted({p.parent.name for p in lay.root.glob("sizes/*/*/export")})
         evaluate(lay, a.sizes, trainers, a.k, a.device)
