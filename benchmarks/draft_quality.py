@@ -508,19 +508,19 @@ def check_peer_batch(lay: Layout, n, device, sequences=4):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def eval_sets(lay: Layout):
+def eval_sets(lay: Layout, names=("heldout", "mt_bench")):
     return {name: [(r["prompt_token_ids"], r["completion_token_ids"]) for r in read_jsonl(lay.evalset(name))]
-            for name in ("heldout", "mt_bench") if lay.evalset(name).exists()}
+            for name in names if lay.evalset(name).exists()}
 
 
-def evaluate(lay: Layout, sizes, trainers, k, device):
+def evaluate(lay: Layout, sizes, trainers, k, device, sets=("heldout", "mt_bench")):
     from eaglenest.states.target import load_target
     from eaglenest.validation.predict import ngram_acceptance, offline_acceptance
 
     cfg = preset()
     model = load_target(str(lay.target), device=device, dtype=cfg["hidden"]["dtype"])
     results = []
-    for name, seqs in eval_sets(lay).items():
+    for name, seqs in eval_sets(lay, sets).items():
         ng = ngram_acceptance(seqs, k, cfg["validate"]["ngram"]["prompt_lookup_min"], cfg["validate"]["ngram"]["prompt_lookup_max"])
         results.append({"set": name, "method": "ngram", **_figures(ng)})
         results.append({"set": name, "method": "target", "tokens_per_step": 1.0})
@@ -533,7 +533,9 @@ def evaluate(lay: Layout, sizes, trainers, k, device):
                 results.append({"set": name, "method": "eagle3", "trainer": tr, "answers": n, **_figures(r)})
                 log(f"eval {name} {tr} {n}: {r.get('tokens_per_step', r['acceptance_length']):.3f} tokens/step, "
                     f"per position {[round(p, 3) for p in r['per_position']]}")
-    write_jsonl(lay.root / "eval_results.jsonl", results)
+    out = lay.root / "eval_results.jsonl"  # the other sets' rows of an earlier call stay
+    kept = [r for r in read_jsonl(out) if r["set"] not in sets] if out.exists() else []
+    write_jsonl(out, kept + results)
     return results
 
 
@@ -619,6 +621,8 @@ def main(argv=None):
     p.add_argument("--trainers", nargs="+", default=["ours", "peer"],
                    help="ours, peer, or ours:KEY=VALUE[,KEY=VALUE] for our trainer with config overrides")
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--sets", nargs="+", default=["heldout", "mt_bench"],
+                   help="eval: the evaluation sets measured (the other sets' rows already written are kept)")
     a = p.parse_args(argv)
     lay = Layout(a.dir, a.from_run)
     lay.root.mkdir(parents=True, exist_ok=True)
@@ -653,7 +657,7 @@ def main(argv=None):
                     f.write(json.dumps(row) + "\n")
     elif a.stage == "eval":
         trainers = sorted({p.parent.name for p in lay.root.glob("sizes/*/*/export")})
-        evaluate(lay, a.sizes, trainers, a.k, a.device)
+        evaluate(lay, a.sizes, trainers, a.k, a.device, a.sets)
     elif a.stage == "report":
         report(lay)
 
