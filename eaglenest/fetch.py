@@ -13,7 +13,7 @@ jobs, and puts each where they look:
 Where the hub does not answer (or HF_HUB_OFFLINE is set) nothing is downloaded: each is checked in its cache,
 and what is missing is named, one line each, with the command that fetches it where the hub answers. Local
 files and ``pkg:`` files need nothing. The model's weights and the training dataset are not fetched here: the
-README's "Compute nodes without internet" says how.
+docs/clusters.md, "Compute nodes without internet", says how.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def aux_layers_of_dflash(target_layer_ids) -> list[int]:
 
 # ----------------------------------------------------------------------------- vLLM releases
 
-SUPPORTED_VLLM = ((0, 32), (0, 34))  # oldest and newest minor release the code handles (README, "Installing")
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # oldest and newest minor release the code handles (docs/install.md, "vLLM releases")
 LOCAL_VERIFIER_REFUSED_FROM = (0, 33)  # `vllm serve <speculators dir>`: "Speculators verifier must name a
 #                                        remote model repository" (transformers_utils/config.py)
 CHUNKED_PREFILL_EXTRACTION_FROM = (0, 34)  # extraction with chunked prefill on (model runner V2's

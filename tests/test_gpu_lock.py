@@ -1,4 +1,4 @@
-"""requirements/gpu.lock installs on Linux x86_64 for every Python the README names, and the project's
+"""requirements/gpu.lock installs on Linux x86_64 for every Python docs/install.md names, and the project's
 pins without the lock do not (what `pip install -e '.[gpu,slurm,test]'` met).
 
 uv resolves from the index's metadata for another platform and Python without downloading a wheel
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements" / "gpu.lock"
 OVERRIDES = ROOT / "requirements" / "overrides.txt"
-PYTHONS = ("3.11", "3.12")  # README, "Installing"
+PYTHONS = ("3.11", "3.12")  # docs/install.md, "Installing"
 PLATFORM = "x86_64-manylinux_2_28"
 
 

@@ -67,7 +67,7 @@ def test_questions_the_target_writes_count_as_the_prompts_less_the_held_out(tmp_
 def test_the_kimi_preset_shows_terabytes_in_files_mode_and_suggests_stream(tmp_path):
     files = changed(preset("kimi-k2.5-int4.yaml"), "hidden", "mode", "files")  # the preset streams: it must
     plan = make_plan(files, tmp_path, has_gpu=True)
-    assert bytes_per_token(7168) == 57357  # the README's figure for Kimi-K2.5
+    assert bytes_per_token(7168) == 57357  # docs/hidden-states.md's figure for Kimi-K2.5
     assert plan.files_bytes > 5e12 and plan.suggest_stream
     text = format_plan(plan)
     assert " TB of shards" in text and "suggest hidden.mode: stream" in text

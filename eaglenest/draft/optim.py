@@ -2,11 +2,11 @@
 
 With fp32 weights under autocast, each trainable parameter costs 18 bytes at the step's peak (fp32
 weight, fp32 gradient, two fp32 AdamW moments, and autocast's bf16 copy); here it costs 12 (bf16
-weight and gradient, fp32 master, two bf16 moments), 4 GiB less at Kimi-K2.5 sizes (730M trainable
-parameters). Updates are computed in fp32 against the master and rounded once into the bf16 weight,
-so small steps late in the cosine schedule are not lost to bf16 rounding (as they are when AdamW runs
-on bf16 weights directly). bf16 moments are safe at the betas train.py uses (0.9, 0.95): each update
-moves them by at least 5%, far above bf16's resolution (0.4%).
+weight and gradient, fp32 master, two bf16 moments): what that saves at Kimi-K2.5 sizes is in
+benchmarks/RESULTS.md, "Figures moved out of code comments". Updates are computed in fp32 against the
+master and rounded once into the bf16 weight, so small steps late in the cosine schedule are not lost
+to bf16 rounding (as they are when AdamW runs on bf16 weights directly). bf16 moments are safe at the
+betas train.py uses (0.9, 0.95): each update moves them by at least 5%, far above bf16's resolution (0.4%).
 
 Decoupled weight decay and bias correction as ``torch.optim.AdamW``; ``tests/test_optim.py`` checks
 the trajectory against it. ``step(max_norm=...)`` clips as ``clip_grad_norm_`` does but inside the

@@ -35,7 +35,7 @@ from .vllm import SINGLE_PROCESS_ENV, api_server_command, single_process_worker
 GPU_BUSY_MIB = 1024
 STOP_GRACE_S = 30.0
 # Snakemake sets these to a job's thread count; vLLM's CPU backend pins its worker to its own cores
-# and, given OMP_NUM_THREADS=2 on a 2-core machine, ran about 100x slower (benchmarks/RESULTS.md, "Figures
+# and, given OMP_NUM_THREADS=2 on a 2-core machine, ran far slower (benchmarks/RESULTS.md, "Figures
 # moved out of code comments").
 # A server never inherits them; server.env can still set them.
 THREAD_ENV = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
