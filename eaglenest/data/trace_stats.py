@@ -20,39 +20,25 @@ def percentile(sorted_values, q):
 
 class TraceStats:
     def __init__(self):
-        # over every record of the shard; the tokens, no_reasoning and empty_content over every answer (a
-        # conversation's turns each: prompt_tokens are then what the server read, turn after turn)
-        self.totals = dict(answers=0, prompt_tokens=0, completion_tokens=0, reasoning_tokens=0, truncated=0,
-                           no_reasoning=0, empty_content=0, conversations=0, conversation_turns=0,
-                           conversation_tokens=0, turns_dropped=0)
-        self.ended = {}  # conversations by how they ended (the record's "ended")
+        self.totals = dict(prompt_tokens=0, completion_tokens=0, reasoning_tokens=0, truncated=0,
+                           no_reasoning=0, empty_content=0)  # over every record of the shard
         self.reasoning_reported = False
         self.latencies = []  # this run's answers
         self.completed = self.resumed = self.retries = 0
         self.new_completion_tokens = 0
 
     def count(self, record):
-        """One record of the shard, resumed or new: each of its answers (a conversation's turns)."""
+        """One record of the shard, resumed or new."""
         t = self.totals
-        answers = record.get("turns") or [record]
-        t["answers"] += len(answers)
-        for answer in answers:
-            t["prompt_tokens"] += len(answer.get("prompt_token_ids") or ())
-            t["completion_tokens"] += len(answer.get("completion_token_ids") or ())
-            details = (answer.get("usage") or {}).get("completion_tokens_details") or {}
-            if details.get("reasoning_tokens") is not None:
-                self.reasoning_reported = True
-                t["reasoning_tokens"] += details["reasoning_tokens"]
-            t["no_reasoning"] += not answer.get("reasoning")
-            t["empty_content"] += not answer.get("content") and not answer.get("tool_calls")
+        t["prompt_tokens"] += len(record.get("prompt_token_ids") or ())
+        t["completion_tokens"] += len(record.get("completion_token_ids") or ())
+        details = (record.get("usage") or {}).get("completion_tokens_details") or {}
+        if details.get("reasoning_tokens") is not None:
+            self.reasoning_reported = True
+            t["reasoning_tokens"] += details["reasoning_tokens"]
         t["truncated"] += bool(record.get("truncated"))
-        if "turns" in record:
-            t["conversations"] += 1
-            t["conversation_turns"] += len(answers)
-            t["conversation_tokens"] += sum(len(a.get("completion_token_ids") or ()) for a in answers)
-            t["turns_dropped"] += record.get("turns_dropped") or 0
-            ended = str(record.get("ended"))
-            self.ended[ended] = self.ended.get(ended, 0) + 1
+        t["no_reasoning"] += not record.get("reasoning")
+        t["empty_content"] += not record.get("content")
 
     def answered(self, latency, completion_tokens):
         """One answer of this run (``count`` it too)."""
@@ -63,10 +49,6 @@ class TraceStats:
     def as_dict(self, *, shard, requests, records, errors, wall, complete, servers, model, fingerprint):
         lat = sorted(self.latencies)
         t = self.totals
-
-        def per(total):
-            return round(total / t["conversations"], 2) if t["conversations"] else None
-
         return {
             "shard": shard,
             "complete": complete,
@@ -77,19 +59,12 @@ class TraceStats:
             "retries": self.retries,
             # over every record of the shard (resumed ones included)
             "records": records,
-            "answers": t["answers"],
             "prompt_tokens": t["prompt_tokens"],
             "completion_tokens": t["completion_tokens"],
             "reasoning_tokens": t["reasoning_tokens"] if self.reasoning_reported else None,
             "truncated": t["truncated"],
             "no_reasoning": t["no_reasoning"],
             "empty_content": t["empty_content"],
-            # conversation records (with "turns"): their turns and assistant tokens, per conversation
-            "conversations": t["conversations"],
-            "turns_per_conversation": per(t["conversation_turns"]),
-            "assistant_tokens_per_conversation": per(t["conversation_tokens"]),
-            "turns_dropped": t["turns_dropped"],
-            "ended": dict(sorted(self.ended.items())),
             # this run only
             "latency_mean_s": round(sum(lat) / len(lat), 4) if lat else None,
             "latency_p50_s": round(percentile(lat, 0.50), 4) if lat else None,

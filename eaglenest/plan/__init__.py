@@ -27,7 +27,6 @@ from ..gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
 from ..serving.settings import ServerConfig
 from ..serving.slurm import SlurmSettings
 from ..serving.slurm import server_gpus as slurm_server_gpus
-from ..settings import PromptSettings
 from ..states.preflight import bytes_per_token, target_config
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
@@ -343,7 +342,8 @@ def measured_rate(workdir: Path, prompts: int | None, fingerprint: str | None = 
         if fingerprint is not None and s.get("fingerprint") != fingerprint:
             continue  # another target's or another setting's traces: their rate says nothing of this run
         done += s.get("records", 0)
-        answers += s.get("answers", s.get("records", 0))  # stats from before conversations: one answer a record
+        conversations = s.get("conversations") or {}  # data.trace_stats: a shard of conversations' turns
+        answers += s.get("records", 0) - conversations.get("records", 0) + conversations.get("turns", 0)
         answered += s.get("completed", 0)
         wall += s.get("wall_s") or 0.0
     if not answered or wall <= 0:
@@ -360,7 +360,7 @@ def answers_per_prompt(config: dict, measured: dict | None) -> tuple[float, str]
     turns costs N. With dataset.max_turns 1, one; once trace shards have finished, their mean; with questions
     the target writes, at most dataset.generate.turns; else at most dataset.max_turns."""
     # dataset.max_turns and dataset.generate.turns: 1 (first questions alone) in configs from before them
-    max_turns = getattr(PromptSettings.from_config(config), "max_turns", 1)
+    max_turns = config["dataset"].get("max_turns", 1)
     if max_turns == 1:
         return 1, "dataset.max_turns 1"
     if measured:
