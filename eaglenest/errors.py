@@ -47,3 +47,8 @@ class ValidationError(EaglenestError, RuntimeError):
 
 class GpuError(EaglenestError, RuntimeError):
     """A job asks for more GPUs than the machine has, or waited too long for free ones."""
+
+
+class TraceRecordError(EaglenestError, ValueError):
+    """A trace record that gives no training sequence (malformed, or token ids that are not lists of
+    ints); the message names the file and line."""

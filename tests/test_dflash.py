@@ -68,6 +68,23 @@ def test_forward_gives_one_state_per_slot_and_the_loss_scores_only_the_masks():
     assert torch.isfinite(loss)
 
 
+def test_a_block_is_scored_only_up_to_the_end_of_its_answer_never_across_a_user_turn():
+    """A conversation's row: two answers with a user turn of two tokens between them, shorter than a block.
+    A block anchored near the first answer's end stops there; under the old rule its last slots would
+    score the second answer's tokens, which it drafts without the user's words in between."""
+    info = toy_facts()
+    draft = small_draft(info, block_size=6)
+    T = 20
+    ids, aux = torch.randint(3, info.vocab_size, (1, T)), torch.randn(1, T, 3 * info.hidden_size)
+    loss_mask = torch.zeros(1, T, dtype=torch.bool)
+    loss_mask[0, 4:9], loss_mask[0, 11:16] = True, True  # answers at 4..8 and 11..15, the user's 9..10
+    anchors, valid = sample_anchors(loss_mask, T)
+    assert anchors[valid].tolist() == [4, 5, 6, 7, 11, 12, 13, 14]
+    _, stats = draft.loss(ids, aux, torch.randint(0, info.vocab_size, (1, T)), loss_mask, anchors, valid, 4.0)
+    # slot i of anchor a is scored while a+i is still in a's answer: 4 anchors of each answer reach slot 1, ...
+    assert stats[:, 3].tolist() == [8, 6, 4, 2, 0]
+
+
 def test_a_context_position_after_the_anchor_changes_nothing():
     """Block n sees the context before its anchor and nothing after: what vLLM's KV cache holds when it drafts."""
     info = toy_facts()

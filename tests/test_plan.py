@@ -40,16 +40,16 @@ def test_the_figures_follow_the_dataset_limit_and_max_tokens(path, tmp_path):
     config = validate_config(yaml.safe_load(path.read_text()))
     base = make_plan(config, tmp_path, has_gpu=True)
     h = config["plan"]["hidden_size"]
-    assert base.prompts == config["dataset"]["limit"]
-    assert base.generated_tokens == base.prompts * config["generation"]["max_tokens"]
-    assert base.files_bytes == base.state_tokens * (8 * h + 13) == base.prompts * base.sequence_tokens * (8 * h + 13)
+    assert base.prompts == config["dataset"]["limit"] and base.requests == base.prompts * base.turns
+    assert base.generated_tokens == base.requests * config["generation"]["max_tokens"]
+    assert base.files_bytes == base.state_tokens * (8 * h + 13) == base.requests * base.sequence_tokens * (8 * h + 13)
 
     half = make_plan(changed(config, "dataset", "limit", config["dataset"]["limit"] // 2), tmp_path, has_gpu=True)
     assert half.prompts == base.prompts // 2 and half.files_bytes < base.files_bytes
     assert format_plan(half) != format_plan(base)
 
     short = make_plan(changed(config, "generation", "max_tokens", 100), tmp_path, has_gpu=True)
-    assert short.generated_tokens == base.prompts * 100
+    assert short.generated_tokens == base.requests * 100
     # a sequence is then at most the prompt (dataset.max_prompt_chars) plus 100 tokens, within hidden.max_length
     assert short.sequence_tokens == min(base.sequence_tokens, config["dataset"]["max_prompt_chars"] + 100)
     assert f"{short.generated_tokens:,} generated" in format_plan(short)
@@ -182,8 +182,9 @@ def stated(config: dict, *settings) -> dict:
 
 
 def rated_llama() -> dict:
-    """Files mode, 100 prompts of at most 64 answer tokens, a 2-GPU server, every rate stated."""
-    return stated(preset("llama-3.1-8b-instruct.yaml"),
+    """Files mode, 100 first questions (dataset.max_turns 1) of at most 64 answer tokens, a 2-GPU server, every
+    rate stated."""
+    return stated(preset("llama-3.1-8b-instruct.yaml"), ("dataset", "max_turns", 1),
                   ("dataset", "limit", 100), ("generation", "max_tokens", 64), ("hidden", "mode", "files"),
                   ("server", "tensor_parallel_size", 2), ("plan", "generate_tokens_per_s", 32.0),
                   ("plan", "extract_tokens_per_s", 1000.0), ("plan", "train_tokens_per_s", 500.0),
@@ -329,3 +330,31 @@ def test_stream_mode_runs_one_extraction_server_during_training(tmp_path):
     assert f"time, extraction: about {human_seconds(st['extraction'].seconds)} (adds {human_seconds(start)}" in text
     slow = make_plan(changed(config, "plan", "extract_tokens_per_s", 1000.0), tmp_path, has_gpu=False).stages
     assert slow["training"].seconds == 2 * plan.state_tokens / 1000.0 and "held back" in slow["training"].how
+
+
+def test_a_conversation_of_n_turns_costs_n_requests_and_their_tokens(tmp_path):
+    """Up to dataset.max_turns answers a prompt before any trace (each turn's chain a sequence at most); the
+    target's own questions at most dataset.generate.turns; once shards finished, their turns per record."""
+    config = validate_config({"dataset": {"limit": 600}, "generation": {"max_tokens": 100},
+                              "plan": {"hidden_size": 128, "generate_tokens_per_s": 1.0}})
+    first = make_plan(changed(config, "dataset", "max_turns", 1), tmp_path, has_gpu=True)
+    assert first.turns == 1 and first.requests == 600 and "conversations" not in format_plan(first)
+    three = make_plan(changed(config, "dataset", "max_turns", 3), tmp_path, has_gpu=True)
+    assert three.turns == 3 and three.requests == 1800 and three.generated_tokens == 1800 * 100
+    assert three.state_tokens == 1800 * three.sequence_tokens
+    assert three.stages["generation"].seconds > 2.9 * first.stages["generation"].seconds
+    assert "conversations: 3 turns each (dataset.max_turns: at most): 1,800 requests" in format_plan(three)
+    assert "180,000 generated (1,800 requests x generation.max_tokens 100)" in format_plan(three)
+
+    written = stated(config, ("dataset", "max_turns", 3), ("dataset", "generate", {**config["dataset"]["generate"],
+                                                                                   "questions": 610, "turns": 2}))
+    assert make_plan(written, tmp_path, has_gpu=True).turns == 2
+
+    (tmp_path / "traces").mkdir()
+    shard = {"records": 100, "completed": 250, "wall_s": 50.0, "conversations": {"records": 80, "turns": 230},
+             "fingerprint": answers_fingerprint(config)}
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps(shard))
+    measured = make_plan(changed(config, "dataset", "max_turns", 3), tmp_path, has_gpu=True)
+    # 20 single answers and 230 turns of 80 conversations: 2.5 requests a record, 500 records left at 5 a second
+    assert measured.turns == 2.5 and measured.requests == 1500
+    assert measured.measured["rate"] == 5.0 and measured.measured["remaining_s"] == 250.0

@@ -277,6 +277,9 @@ class DFlashDraft(nn.Module):
         normed = self(self.context(aux_hidden), ids, positions, seen).view(*ids.shape, -1)
         at = positions.clamp(max=T - 1)
         scored = valid.unsqueeze(-1) & (positions < T) & loss_mask.gather(1, at.flatten(1)).view_as(at)
+        # a slot is scored only while the block is still in the anchor's answer: past the first unscored
+        # position (a later turn's user or tool tokens, padding) the block would draft text it never saw
+        scored = scored.int().cumprod(-1).bool()
         scored[..., 0] = False  # the anchor is given, not drafted
         label = target_next.long().gather(1, (at - 1).clamp(min=0).flatten(1)).view_as(at)[scored]
         slot = torch.arange(S, device=ids.device).expand_as(at)[scored] - 1  # 0 .. S-2

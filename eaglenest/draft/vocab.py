@@ -1,4 +1,5 @@
-"""The draft vocabulary: the most frequent completion tokens of the traces.
+"""The draft vocabulary: the most frequent completion tokens of the traces (every assistant turn's, in a
+conversation: the tokens training scores, ``data.sequences``).
 
 ``vocab.safetensors`` holds vLLM's two maps (their convention: ``vllm_format``):
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from ..settings import DraftSettings
-from ..states.hidden import iter_trace_tokens
+from ..data.sequences import read_training_sequences
 from ..util import save_safetensors, say
 from .vllm_format import d2t_from_target_ids, draft_to_target_ids
 
@@ -48,8 +49,8 @@ def build_vocab(trace_paths, out_path, target_vocab_size, settings: DraftSetting
         trace_paths = [trace_paths]
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     record_counts = {}
-    for _, completion in iter_trace_tokens(trace_paths, use_truncated, record_counts):
-        tokens = np.asarray(completion, dtype=np.int64)
+    for _, ids, spans in read_training_sequences(trace_paths, use_truncated, record_counts):
+        tokens = np.concatenate([np.asarray(ids[start:end], dtype=np.int64) for start, end in spans])
         if tokens.min() < 0 or tokens.max() >= target_vocab_size:
             raise ValueError(
                 f"a completion token id ({tokens.min()}..{tokens.max()}) is outside the target vocabulary of "
@@ -62,7 +63,8 @@ def build_vocab(trace_paths, out_path, target_vocab_size, settings: DraftSetting
     ids = select_vocab(counts, draft_vocab_size)
     d2t, t2d = maps_from_ids(ids, target_vocab_size)
     stats = {
-        **record_counts,
+        # the counts vocab.safetensors has always held (a conversation's answers count in completion_tokens)
+        **{k: record_counts[k] for k in ("records", "skipped_truncated", "skipped_empty")},
         "completion_tokens": total,
         "distinct_tokens": int((counts > 0).sum()),
         "target_vocab_size": target_vocab_size,

@@ -1,6 +1,7 @@
 """What a run will cost, from the config and the dataset's size alone, before any job runs.
 
-`make_plan` computes the figures (prompts, the upper bound on tokens, the hidden states' disk in
+`make_plan` computes the figures (prompts, the answers each costs: a conversation of N turns costs N
+requests and their tokens; the upper bound on tokens, the hidden states' disk in
 `files` mode against `stream` mode's budget, the GPUs each stage holds and the servers' replicas, each
 stage's time and GPU-hours, and the run's total: wall time, GPU-hours and peak disk with the target's own
 weights); generation's time comes from the measured rate once trace shards have finished, else from
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +208,9 @@ class Plan:
     prompts: int | None          # training prompts (None: unknown, a hub dataset without limit)
     prompts_source: str
     max_tokens: int
+    turns: float                 # answers (requests) a prompt costs: a conversation's turns (answers_per_prompt)
+    turns_source: str
+    requests: int | None          # answers over the run: prompts x turns
     sequence_tokens: int | None  # the longest sequence the hidden states hold
     generated_tokens: int | None  # upper bound over the run
     state_tokens: int | None      # upper bound of tokens in the hidden states
@@ -326,23 +331,45 @@ def answers_fingerprint(config: dict) -> str:
 
 
 def measured_rate(workdir: Path, prompts: int | None, fingerprint: str | None = None) -> dict | None:
-    """From the finished trace shards' stats: records done, requests per second over their runs, and
-    the seconds the rest would take at that rate. None before any shard has stats. ``fingerprint``: only
-    shards answered by this target with these answer settings count (eaglenest.data.traces.fingerprint)."""
-    done = answered = 0
+    """From the finished trace shards' stats: records done, their answers (a conversation's turns each), requests
+    per second over their runs, and the seconds the rest would take at that rate, each record costing as many
+    requests as the done ones did on average. None before any shard has stats. ``fingerprint``: only shards
+    answered by this target with these answer settings count (eaglenest.data.traces.fingerprint)."""
+    done = answers = answered = 0
     wall = 0.0
     for f in sorted((workdir / "traces").glob("shard_*.stats.json")):
         s = json.loads(f.read_text())
         if fingerprint is not None and s.get("fingerprint") != fingerprint:
             continue  # another target's or another setting's traces: their rate says nothing of this run
         done += s.get("records", 0)
+        conversations = s.get("conversations") or {}  # data.trace_stats: a shard of conversations' turns
+        answers += s.get("records", 0) - conversations.get("records", 0) + conversations.get("turns", 0)
         answered += s.get("completed", 0)
         wall += s.get("wall_s") or 0.0
     if not answered or wall <= 0:
         return None
     rate = answered / wall
+    per_record = answers / done if done else 1.0
     remaining = max(0, (prompts or done) - done)
-    return {"done": done, "rate": rate, "remaining_s": remaining / rate}
+    return {"done": done, "answers": answers, "answers_per_record": per_record, "rate": rate,
+            "remaining_s": remaining * per_record / rate}
+
+
+def answers_per_prompt(config: dict, measured: dict | None) -> tuple[float, str]:
+    """The answers (requests to the trace server) one training prompt costs, and whence: a conversation of N
+    turns costs N. With dataset.max_turns 1, one; once trace shards have finished, their mean; with questions
+    the target writes, at most dataset.generate.turns; else at most dataset.max_turns."""
+    # dataset.max_turns and dataset.generate.turns: 1 (first questions alone) in configs from before them
+    max_turns = config["dataset"].get("max_turns", 1)
+    if max_turns == 1:
+        return 1, "dataset.max_turns 1"
+    if measured:
+        return measured["answers_per_record"], "the mean of the finished trace shards"
+    generate = config["dataset"]["generate"]
+    if generate["questions"]:
+        turns = min(max_turns, generate.get("turns", 1))
+        return turns, f"dataset.generate.turns {generate.get('turns', 1)}, dataset.max_turns {max_turns}: at most"
+    return max_turns, "dataset.max_turns: at most"
 
 
 def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = None) -> Plan:
@@ -351,17 +378,25 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
     has_gpu = bool(shutil.which("nvidia-smi")) if has_gpu is None else has_gpu
     s, g, h = config["server"], config["generation"], config["hidden"]
     prompts, source = training_prompts(config, workdir)
-    limits = [h["max_length"], s["max_model_len"], config["dataset"]["max_prompt_chars"] + g["max_tokens"]]
+    measured = measured_rate(workdir, prompts, answers_fingerprint(config))
+    turns, turns_source = answers_per_prompt(config, measured)
+    # a conversation's sequence grows turn by turn: each turn's prompt and answer at most
+    per_turn = config["dataset"]["max_prompt_chars"] + g["max_tokens"]
+    limits = [h["max_length"], s["max_model_len"], config["dataset"].get("max_context_tokens"),
+              per_turn * max(1, math.ceil(turns))]
     seq = min(x for x in limits if x)
     hidden_size, hsource = target_hidden_size(config)
-    state_tokens = prompts * seq if prompts is not None else None
+    # each answer's chain its own sequence at most (a template that re-renders earlier answers otherwise)
+    requests = math.ceil(prompts * turns) if prompts is not None else None
+    state_tokens = requests * seq if requests is not None else None
     free = shutil.disk_usage(workdir if workdir.exists() else ".").free
-    plan = Plan(prompts=prompts, prompts_source=source, max_tokens=g["max_tokens"], sequence_tokens=seq,
-                generated_tokens=prompts * g["max_tokens"] if prompts is not None else None,
+    plan = Plan(prompts=prompts, prompts_source=source, max_tokens=g["max_tokens"], turns=turns, turns_source=turns_source,
+                requests=requests, sequence_tokens=seq,
+                generated_tokens=requests * g["max_tokens"] if requests is not None else None,
                 state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
                 files_bytes=state_tokens * bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
                 stream_bytes=int(h["stream"]["max_disk_gb"] * 1e9), free_bytes=free, mode=h["mode"],
-                replicas=s["replicas"], server_mode=s["mode"], measured=measured_rate(workdir, prompts, answers_fingerprint(config)),
+                replicas=s["replicas"], server_mode=s["mode"], measured=measured,
                 validation=validation_time(config))
     plan.weights_bytes, plan.weights_source = target_weights(config)
     plan.assumed = assumed_generation(config, plan.weights_bytes, has_gpu)
@@ -492,9 +527,14 @@ def format_plan(p: Plan) -> str:
     """The plan as a few lines of text."""
     n = f"{p.prompts:,}" if p.prompts is not None else "unknown"
     lines = ["plan:", f"  prompts: {n} ({p.prompts_source})"]
+    if p.turns != 1:
+        r = f": {p.requests:,} requests" if p.requests is not None else ""
+        lines.append(f"  conversations: {p.turns:.3g} turns each ({p.turns_source}){r}, a request and its tokens a turn")
     if p.prompts is not None:
-        lines.append(f"  tokens: at most {p.generated_tokens:,} generated ({n} x generation.max_tokens {p.max_tokens:,}); "
-                     f"at most {p.state_tokens:,} in the hidden states ({p.sequence_tokens:,} a sequence)")
+        asked = f"{n} x" if p.turns == 1 else f"{p.requests:,} requests x"
+        each = "" if p.turns == 1 else ", a turn's chain each at most"
+        lines.append(f"  tokens: at most {p.generated_tokens:,} generated ({asked} generation.max_tokens {p.max_tokens:,}); "
+                     f"at most {p.state_tokens:,} in the hidden states ({p.sequence_tokens:,} a sequence{each})")
     if p.files_bytes is not None:
         per = bytes_per_token(p.hidden_size)
         lines.append(f"  hidden states, files mode: up to {human_bytes(p.files_bytes)} of shards ({per:,} B a token, "

@@ -8,8 +8,9 @@ directory. It is started and stopped by the same lifecycle code as the generatio
 (``server.py`` / ``slurm.py``), with the same model, parallelism, dtype, environment and NCCL
 variables (``hidden_server_config``).
 
-``extract_hidden_vllm`` sends each trace's exact ``prompt + completion`` token ids (cut at
-``hidden.max_length``: the same sequences as the transformers backend, ``hidden.shard_sequences``)
+``extract_hidden_vllm`` sends each training sequence's exact token ids (a single answer's ``prompt +
+completion``, a conversation's chains of turns, ``data.sequences``; cut at ``hidden.max_length``: the same
+sequences and loss masks as the transformers backend, ``hidden.shard_sequences``)
 to ``/v1/completions`` with ``max_tokens: 1``, ``hidden.vllm.concurrency`` requests in flight; reads the
 per-request file, refuses it unless its token ids are those sent (naming the trace id), applies the
 target's final RMSNorm to the final-layer state (the shard's ``last_hidden`` is post-norm, see
@@ -159,7 +160,7 @@ def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None =
     size = os.path.getsize(out_path)
     stats = {**counts, "sequences": len(seqs), "tokens": n_tokens, "resumed": run.resumed,
              "sent": run.sent, "tokens_sent": run.tokens_sent,
-             "loss_tokens": sum(len(ids) - n for _, ids, n in seqs), "bytes": size, "bytes_per_token": size / n_tokens,
+             "loss_tokens": sum(int(mask.sum()) for _, _, mask in seqs), "bytes": size, "bytes_per_token": size / n_tokens,
              "seconds": round(seconds, 2), "tokens_per_s": round(run.tokens_sent / seconds, 1),
              "aux_layers": aux_layers, "backend": BACKEND}
     resumed = f", {run.resumed} resumed" if run.resumed else ""
@@ -243,7 +244,7 @@ class _Run:
                                          sent=self.sent, kept=kept)  # (path, target_next)
 
     def _store(self, k, path, nxt):
-        rid, ids, n_prompt = self.seqs[k]
+        rid, ids, mask = self.seqs[k]
         kept = f"{len(self.done)} finished sequences are kept in {self.writer.partial}; restart the server and rerun"
         aux, last = self.client.states(path, rid, ids, where=self.shard, kept=kept)
         n = len(ids)
@@ -252,7 +253,7 @@ class _Run:
         w.write_rows("last_hidden", row, last)
         w.write_rows("input_ids", row, torch.from_numpy(ids))
         w.write_rows("target_next", row, nxt)
-        w.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
+        w.write_rows("loss_mask", row, torch.from_numpy(mask))
         with self.lock:  # after the rows: a kill between the two only sends this sequence again
             self.journal.write(b"%d\n" % k)
             self.journal.flush()

@@ -1,7 +1,8 @@
 """Hidden states of the target over the exact trace tokens, for EAGLE-3 training.
 
-A transformers forward of the target runs over exactly ``prompt_token_ids + completion_token_ids``
-of each trace record (no re-templating), cut at ``max_length``. Each shard is one safetensors file,
+A transformers forward of the target runs over exactly the token ids of each training sequence of the
+trace records (``data.sequences``: a single answer's ``prompt_token_ids + completion_token_ids``, a
+conversation's chains of turns; no re-templating), cut at ``max_length``. Each shard is one safetensors file,
 sequences packed end to end along the token axis (T = all kept tokens of the shard):
 
     aux_hidden   bf16  [T, 3*H]  the auxiliary states at the vLLM ids in ``aux_layers`` (ascending,
@@ -16,7 +17,8 @@ sequences packed end to end along the token axis (T = all kept tokens of the sha
                                  target vocabulary (``train.target_distribution``); at a sequence's
                                  last position it is the token the target would generate next
     seq_offsets  int64 [S + 1]   sequence k is rows ``seq_offsets[k]:seq_offsets[k+1]``
-    loss_mask    bool  [T]       True on completion tokens (reasoning included), False on the prompt
+    loss_mask    bool  [T]       True on the assistant's tokens (each turn's completion, reasoning
+                                 included), False on system, user and tool tokens
 
 The ``__metadata__`` holds ``format``, ``aux_layers`` (JSON), ``hidden_size``, ``target`` and counts.
 Shards written before ``target_next`` existed lack it and are still read (training then takes
@@ -41,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DiskSpaceError
+from ..data.sequences import read_training_sequences
+from ..errors import DiskSpaceError, TraceRecordError
 from ..settings import HiddenSettings
 from ..util import progress_bar, say
 from .preflight import estimate_bytes
@@ -59,56 +62,29 @@ SYNC_BYTES = 1 << 28  # written bytes between two fdatasync calls of the shard d
 # ----------------------------------------------------------------------------- trace records
 
 
-def iter_trace_tokens(trace_paths, use_truncated=True, counts=None, with_ids=False):
-    """Yield ``(prompt_token_ids, completion_token_ids)`` of each usable trace record (with
-    ``with_ids``: ``(id, prompt_token_ids, completion_token_ids)``).
-
-    ``counts`` (a dict, optional) is updated with ``records``, ``skipped_truncated`` and
-    ``skipped_empty`` so callers can report what was left out.
-    """
-    counts = counts if counts is not None else {}
-    for key in ("records", "skipped_truncated", "skipped_empty"):
-        counts.setdefault(key, 0)
-    for path in trace_paths:
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    prompt, completion = rec["prompt_token_ids"], rec["completion_token_ids"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(
-                        f"{path}:{lineno}: not a trace record with prompt_token_ids and "
-                        f"completion_token_ids ({type(e).__name__}: {e})"
-                    ) from None
-                counts["records"] += 1
-                if rec.get("truncated") and not use_truncated:
-                    counts["skipped_truncated"] += 1
-                    continue
-                if not completion:
-                    counts["skipped_empty"] += 1
-                    continue
-                yield (rec.get("id", f"{path}:{lineno}"), prompt, completion) if with_ids else (prompt, completion)
-
-
 def shard_sequences(trace_paths, max_length, use_truncated=True):
     """The sequences of one shard, in trace order: ``(seqs, counts)`` with ``seqs`` a list of
-    ``(trace id, ids int64 [n], prompt length)``, cut at ``max_length``; ``counts`` as in
-    ``iter_trace_tokens`` plus ``cut_at_max_length``. Every backend packs exactly these."""
+    ``(sequence id, ids int64 [n], loss_mask bool [n])``, the training sequences of the trace records
+    (``data.sequences``: a conversation's assistant turns all scored) cut at ``max_length``; ``counts``
+    as in ``read_training_sequences`` plus ``cut_at_max_length``. Every backend packs exactly these."""
     counts = {"cut_at_max_length": 0}
     seqs = []
-    for rid, prompt, completion in iter_trace_tokens(trace_paths, use_truncated, counts, with_ids=True):
-        ids = np.asarray(list(prompt) + list(completion), dtype=np.int64)
+    for sid, ids, spans in read_training_sequences(trace_paths, use_truncated, counts):
+        ids = np.asarray(ids, dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=np.bool_)
+        for start, end in spans:
+            mask[start:end] = True
         if len(ids) > max_length:
             counts["cut_at_max_length"] += 1
-            ids = ids[:max_length]
-        if len(ids) <= len(prompt):  # the cut left no completion token
+            ids, mask = ids[:max_length], mask[:max_length]
+        if not mask.any():  # the cut left no scored token
             counts["skipped_empty"] += 1
             continue
-        seqs.append((rid, ids, len(prompt)))
+        seqs.append((sid, ids, mask))
     if not seqs:
-        raise ValueError(f"no usable trace records in {[str(p) for p in trace_paths]} ({counts})")
+        raise TraceRecordError(f"no usable trace records in {[str(p) for p in trace_paths]} ({counts}): no "
+                               "answer token to train on within hidden.max_length (and, with hidden.use_truncated "
+                               "false, untruncated)")
     return seqs, counts
 
 
@@ -276,13 +252,13 @@ class _ShardRows:
         n_tok = 0
         for b in positions:
             k = batch[b]
-            _, ids_k, n_prompt = self.seqs[k]
+            _, ids_k, mask_k = self.seqs[k]
             row, n = int(self.offsets[k]), len(ids_k)
             self.writer.write_rows("aux_hidden", row, aux[b, :n])
             self.writer.write_rows("last_hidden", row, last[b, :n])
             self.writer.write_rows("input_ids", row, torch.from_numpy(ids_k))
             self.writer.write_rows("target_next", row, nxt[b, :n])
-            self.writer.write_rows("loss_mask", row, torch.arange(n) >= n_prompt)
+            self.writer.write_rows("loss_mask", row, torch.from_numpy(mask_k))
             n_tok += n
         self.bar.update(n_tok)
         with self.lock:
@@ -387,7 +363,7 @@ def extract_hidden(trace_paths, out_path, settings: HiddenSettings | None = None
     _write_shard(model, ShardWriter(out_path, specs, metadata), seqs, offsets, aux_layers, batch_tokens, bar)
 
     seconds = time.time() - t_start
-    n_loss = sum(len(ids) - n_prompt for _, ids, n_prompt in seqs)
+    n_loss = sum(int(mask.sum()) for _, _, mask in seqs)
     stats = {
         **counts,
         "sequences": len(seqs),

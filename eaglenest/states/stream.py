@@ -47,7 +47,7 @@ class StreamedStates:
         self.max_length, self.use_truncated = max_length, use_truncated
         self.aux_layers, self.hidden_size = client.aux_layers, client.hidden_size
         self.without_target_next = []  # the client always brings the target's greedy tokens
-        self.seqs = []  # (trace id, ids int64 [n], prompt length), in the order of files mode's shards
+        self.seqs = []  # (sequence id, ids int64 [n], loss_mask bool [n]), in the order of files mode's shards
         for path in self.paths:
             self.seqs += shard_sequences([path], max_length, use_truncated)[0]
         self.budget = int(max_disk_bytes)
@@ -112,11 +112,11 @@ class StreamedStates:
             from safetensors.torch import load_file
 
             rows = load_file(str(self._cache_path(k)))
-        _, ids, n_prompt = self.seqs[k]
+        _, ids, mask = self.seqs[k]
         with self.cond:
             self.outstanding_tokens -= len(ids)
             self.cond.notify_all()
-        return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.arange(len(ids)) >= n_prompt, **rows}
+        return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask), **rows}
 
     def fingerprint_facts(self):
         """What the data is, for train.py's resume fingerprint: the traces (name, size, modification
