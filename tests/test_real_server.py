@@ -115,6 +115,39 @@ def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_lef
     assert planted in [r["messages"][0]["content"] for r in read_lines(again)]
 
 
+def test_the_target_writes_follow_up_turns_and_a_rerun_keeps_the_answers_a_crash_left(toy_server, tmp_path):
+    """dataset.generate.turns 3: after the first questions the target answers and writes the next user turn;
+    a follow-up cut or empty ends its conversation, counted. The crash left three first questions, one
+    answer and two bad follow-ups, so only what is missing is asked (a few requests)."""
+    cfg, _ = toy_server
+    out = tmp_path / "conversations.jsonl"
+    firsts = ["what is 100 + 200?", "what is 7 + 8 then?", "and what is 3 + 4?"]
+    left = [{"i": i, "text": t, "finish_reason": "stop"} for i, t in enumerate(firsts)] + [
+        {"i": 0, "turn": 1, "role": "assistant", "text": "the planted answer is 300", "finish_reason": "stop"},
+        {"i": 1, "turn": 2, "role": "user", "text": "a follow-up cut at max_tokens", "finish_reason": "length"},
+        {"i": 2, "turn": 2, "role": "user", "text": " ", "finish_reason": "stop"}]
+    out.with_name(out.name + ".partial").write_text("".join(json.dumps(r) + "\n" for r in left) + '{"i": 0, "tu')
+    three = QuestionSettings.defaults().replace(questions=3, turns=3, max_tokens=48, min_chars=4, answer_max_tokens=24)
+    stats = write_questions(out, three, url=f"http://127.0.0.1:{cfg.port}", model=cfg.model_id,
+                            tokenizer=AutoTokenizer.from_pretrained(TOY_TARGET), progress=False)
+    rows = {r["id"]: r["messages"] for r in read_lines(out)}
+    assert [m["content"] for i in ("q0", "q1", "q2") for m in rows[i][:1]] == firsts
+    # q1 and q2 end where their follow-up was dropped: their answers were asked, then thrown away with it
+    assert rows["q1"] == [{"role": "user", "content": firsts[1]}] and rows["q2"] == [{"role": "user", "content": firsts[2]}]
+    f = stats["follow_ups"]
+    assert f["dropped"]["cut"] >= 1 and f["dropped"]["short"] >= 1
+    q0 = rows["q0"]
+    assert len(q0) == 1 or q0[1] == {"role": "assistant", "content": "the planted answer is 300"}
+    assert [m["role"] for m in q0] == ["user", "assistant"] * ((len(q0) - 1) // 2) + ["user"]
+    assert all(m["content"].strip() for m in q0 if m["role"] == "user")
+    users = [sum(m["role"] == "user" for m in r) for r in rows.values()]
+    assert f["conversations"] == {str(n): users.count(n) for n in (1, 2, 3)}
+    # asked: q1's and q2's answers and q0's follow-up (not q0's answer: the crash left it), and where that
+    # follow-up was kept, q0's second answer and third question; no first question
+    assert f["requests"] == 3 + 2 * (len(q0) >= 3) and stats["requests"] == 3
+    assert not out.with_name(out.name + ".partial").exists()
+
+
 def test_the_target_alone_server_scores_outputs_as_transformers_does(toy_server, tmp_path):
     """validate.offline.engine none: the lossless check's scores (mean log-prob per completion token under the
     target) come from the target-alone server's prompt_logprobs; they equal the transformers target's, for a
