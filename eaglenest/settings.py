@@ -349,8 +349,11 @@ class ValidateSettings(Stage):
     other_drafts: list[dict] = setting("validate.drafts", reruns=False)
 
     def fingerprint(self) -> dict:
+        """All but validate.drafts, and validate.second_turns where on (the default), so that a validation made
+        before second turns were asked is not made again."""
         out = super().fingerprint()
-        out["validate"] = {k: v for k, v in out["validate"].items() if k != "drafts"}
+        out["validate"] = {k: v for k, v in out["validate"].items()
+                           if k != "drafts" and not (k == "second_turns" and v)}
         return out
 
 
