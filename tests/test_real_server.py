@@ -151,38 +151,35 @@ def test_the_target_writes_follow_up_turns_and_a_rerun_keeps_the_answers_a_crash
 def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_path):
     """validate.second_turns: a held-out conversation's second turn is sent as [user 1, the target alone's own
     T=0 answer, user 2], token for token as the chat template renders it, and measured on the same server
-    start (the target alone's hook). Four requests of 24 tokens."""
-    from eaglenest.data.traces import answer_prompts
+    start (the target alone's hook) beside turn 1. Two requests: turn 1, then turn 2."""
     from eaglenest.serving.settings import ServerConfig
     from eaglenest.validation.evalsets import read_prompts, resolve_sets
-    from eaglenest.validation.second_turns import turn_two_cells
     from eaglenest.validation.validate import _matrix_cells, _second_turns, measure_cell, resolve_settings
 
     cfg, _ = toy_server
     url = f"http://{cfg.host}:{cfg.port}"
     heldout = tmp_path / "heldout.jsonl"
-    rows = [{"id": "c", "source": "t", "messages": [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant"},
-                                                     {"role": "user", "content": "And 12 + 31?"}]},
-            {"id": "s", "source": "t", "messages": [{"role": "user", "content": "What is 1 + 2?"}]}]
-    heldout.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    s = resolve_settings({"temperatures": [0], "max_tokens": 24}, GENERATION)
+    row = {"id": "c", "source": "t", "messages": [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant"},
+                                                   {"role": "user", "content": "What is 189 * 2?"}]}
+    heldout.write_text(json.dumps(row) + "\n")
+    # 96 tokens: the toy's reasoning, then its answer, the context turn 2 must carry
+    s = resolve_settings({"temperatures": [0], "max_tokens": 96}, GENERATION)
     cells = _matrix_cells(s, resolve_sets([], heldout), read_prompts(heldout), GENERATION, None, print)
     result = {"cells": [measure_cell(url, cfg.model_id, c) for c in cells]}
-    first = result["cells"][0]["answers"][0]
-    (made,) = turn_two_cells(cells, result["cells"])
-    (sent,) = answer_prompts(made["prompts"], url=url, model=cfg.model_id, generation=made["settings"])
-    conversation = [rows[0]["messages"][0], {"role": "assistant", "content": first["content"] or ""}, rows[0]["messages"][2]]
-    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
-    expected = tok.encode(tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)
-    assert sent["prompt_token_ids"] == expected
+    (first,) = result["cells"][0]["answers"]
+    assert first["content"] and first["reasoning"], first
     logs = []
     hooks = _second_turns({"baseline": (cfg.model, None, None)}, ServerConfig.from_dict({**BASE_CONFIG["server"], "port": cfg.port}),
                           s, 3, cells, engine="transformers", log=logs.append)
     hooks["baseline"](url, None, result)
     (two,) = result["second_turns"]
     assert (two["set"], two["turn"], two["prompts"], two["temperature"]) == ("heldout", 2, 1, 0)
-    assert two["output_tokens"] > 0 and two["tokens_per_step"] == 1.0 and "answers" not in two
+    assert two["output_tokens"] > 0 and two["tokens_per_step"] == 1.0
+    conversation = [row["messages"][0], {"role": "assistant", "content": first["content"]}, row["messages"][2]]
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    expected = tok.encode(tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert two["answers"][0]["prompt_token_ids"] == expected
     assert any("heldout turn 2 at T=0: 1 prompts" in line for line in logs), logs
     # off, or with the target alone last (engine none: its answers come after the drafts' runs): not asked
     assert _second_turns({"baseline": None}, cfg, {**s, "second_turns": False}, 3, cells, engine="transformers", log=print) == {}

@@ -494,8 +494,7 @@ def _second_turns(plan: dict, srv: ServerConfig, s: dict, k: int, cells, *, engi
             run_k = (spec or {}).get("num_speculative_tokens") or (None if name == "baseline" else k)
             result["second_turns"] = []
             for c in made:
-                measured = measure_cell(url, srv.model_id, c, api_key=api_key, k=run_k)
-                measured.pop("answers")
+                measured = measure_cell(url, srv.model_id, c, api_key=api_key, k=run_k)  # answers kept: never reported
                 result["second_turns"].append({**measured, "turn": c["turn"]})
                 log(f"{name}: {c['set']} turn {c['turn']} at T=0: {measured['prompts']} prompts, "
                     f"{measured['output_tokens']} output tokens, {_steps_said(measured, run_k)}")
