@@ -15,7 +15,8 @@ from tests.support.config import TOY_TARGET
 SYSTEM = {"role": "system", "content": "Be brief."}
 CONVERSATION = {"id": "c1", "source": "mt", "messages": [
     SYSTEM, {"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant"},
-    {"role": "user", "content": "And times 2?"}, {"role": "assistant"}, {"role": "user", "content": "And minus 1?"}]}
+    {"role": "user", "content": "And times 2?"}, {"role": "assistant"}, {"role": "user", "content": "And minus 1?"},
+    {"role": "assistant"}]}  # prepare_prompts' conversation rows end on the slot of the last answer
 SINGLE = {"id": "s1", "source": "mt", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}
 TOOLS = {"id": "t1", "source": "mt", "messages": [
     {"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [{"id": "x", "type": "function"}]},
@@ -28,6 +29,8 @@ def test_a_prompt_row_is_sent_as_its_first_turn_with_the_next_user_turn_beside_i
     conv, single, tools = read_prompts(path)
     assert conv == {"id": "c1", "source": "mt", "messages": CONVERSATION["messages"][:2], "second_turn": "And times 2?"}
     assert single == SINGLE and first_turn(SINGLE) is SINGLE
+    one_slot = {**SINGLE, "messages": [*SINGLE["messages"], {"role": "assistant"}]}
+    assert first_turn(one_slot) == SINGLE
     # a tool call between the turns is no plain second turn: the first turn alone
     assert tools == {**TOOLS, "messages": TOOLS["messages"][:1]}
 
