@@ -116,6 +116,11 @@ class QuestionSettings(Stage):
     top_p: float = setting("dataset.generate.top_p")
     min_chars: int = setting("dataset.generate.min_chars")
     seed: int = setting("dataset.generate.seed")
+    turns: int = setting("dataset.generate.turns")  # user turns per conversation (1: first questions alone)
+    # the target's answers between the user turns: as the traces stage answers (generation's sampling)
+    answer_max_tokens: int = setting("generation.max_tokens")
+    answer_temperature: float = setting("generation.temperature")
+    answer_top_p: float = setting("generation.top_p")
     evalsets: list[dict] = setting("validate.datasets")  # their questions never become training questions
     concurrency: int = setting("generation.concurrency", reruns=False)
     request_timeout: float = setting("generation.request_timeout", reruns=False)
@@ -127,6 +132,15 @@ class QuestionSettings(Stage):
     def retry(self) -> dict:
         """The client's retry settings, as serving.client.RetryPolicy.from_settings reads them."""
         return {k: getattr(self, k) for k in ("max_retries", "backoff_base", "backoff_max")}
+
+    def fingerprint(self) -> dict:
+        """First questions alone (turns 1) are written without answers: neither the turns nor the answers'
+        sampling is in their fingerprint, so the questions of a run from before conversations stay."""
+        out = super().fingerprint()
+        if self.turns == 1:
+            for name in ("turns", "answer_max_tokens", "answer_temperature", "answer_top_p"):
+                del out[name]
+        return out
 
 
 @dataclass(frozen=True)
@@ -335,8 +349,11 @@ class ValidateSettings(Stage):
     other_drafts: list[dict] = setting("validate.drafts", reruns=False)
 
     def fingerprint(self) -> dict:
+        """All but validate.drafts, and validate.second_turns where on (the default), so that a validation made
+        before second turns were asked is not made again."""
         out = super().fingerprint()
-        out["validate"] = {k: v for k, v in out["validate"].items() if k != "drafts"}
+        out["validate"] = {k: v for k, v in out["validate"].items()
+                           if k != "drafts" and not (k == "second_turns" and v)}
         return out
 
 

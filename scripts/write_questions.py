@@ -15,7 +15,7 @@ settings, server = QuestionSettings.from_config(snakemake.config), ServerConfig.
 api_key = server.api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)
 # The evaluation sets' questions are never training questions (the held-out split is made from these).
-exclude = [m["content"] for s in resolve_sets(settings.evalsets, None)[1:]
-           for row in load_set(s, cache_dir=settings.cache_dir) for m in row["messages"] if m["role"] == "user"]
+exclude = [text for s in resolve_sets(settings.evalsets, None)[1:] for row in load_set(s, cache_dir=settings.cache_dir)
+           for text in [*(m["content"] for m in row["messages"] if m["role"] == "user"), row.get("second_turn")] if text]
 write_questions(snakemake.output[0], settings, url=ready["urls"][0], model=ready["model"],
                 tokenizer=AutoTokenizer.from_pretrained(server.model), exclude=exclude, api_key=api_key)

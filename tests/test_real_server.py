@@ -115,6 +115,78 @@ def test_the_target_writes_distinct_questions_and_a_rerun_keeps_what_a_crash_lef
     assert planted in [r["messages"][0]["content"] for r in read_lines(again)]
 
 
+def test_the_target_writes_follow_up_turns_and_a_rerun_keeps_the_answers_a_crash_left(toy_server, tmp_path):
+    """dataset.generate.turns 3: after the first questions the target answers and writes the next user turn;
+    a follow-up cut or empty ends its conversation, counted. The crash left three first questions, one
+    answer and two bad follow-ups, so only what is missing is asked (a few requests)."""
+    cfg, _ = toy_server
+    out = tmp_path / "conversations.jsonl"
+    firsts = ["what is 100 + 200?", "what is 7 + 8 then?", "and what is 3 + 4?"]
+    left = [{"i": i, "text": t, "finish_reason": "stop"} for i, t in enumerate(firsts)] + [
+        {"i": 0, "turn": 1, "role": "assistant", "text": "the planted answer is 300", "finish_reason": "stop"},
+        {"i": 1, "turn": 2, "role": "user", "text": "a follow-up cut at max_tokens", "finish_reason": "length"},
+        {"i": 2, "turn": 2, "role": "user", "text": " ", "finish_reason": "stop"}]
+    out.with_name(out.name + ".partial").write_text("".join(json.dumps(r) + "\n" for r in left) + '{"i": 0, "tu')
+    three = QuestionSettings.defaults().replace(questions=3, turns=3, max_tokens=48, min_chars=4, answer_max_tokens=24)
+    stats = write_questions(out, three, url=f"http://127.0.0.1:{cfg.port}", model=cfg.model_id,
+                            tokenizer=AutoTokenizer.from_pretrained(TOY_TARGET), progress=False)
+    rows = {r["id"]: r["messages"] for r in read_lines(out)}
+    assert [m["content"] for i in ("q0", "q1", "q2") for m in rows[i][:1]] == firsts
+    # q1 and q2 end where their follow-up was dropped: their answers were asked, then thrown away with it
+    assert rows["q1"] == [{"role": "user", "content": firsts[1]}] and rows["q2"] == [{"role": "user", "content": firsts[2]}]
+    f = stats["follow_ups"]
+    assert f["dropped"]["cut"] >= 1 and f["dropped"]["short"] >= 1
+    q0 = rows["q0"]
+    assert len(q0) == 1 or q0[1] == {"role": "assistant", "content": "the planted answer is 300"}
+    assert [m["role"] for m in q0] == ["user", "assistant"] * ((len(q0) - 1) // 2) + ["user"]
+    assert all(m["content"].strip() for m in q0 if m["role"] == "user")
+    users = [sum(m["role"] == "user" for m in r) for r in rows.values()]
+    assert f["conversations"] == {str(n): users.count(n) for n in (1, 2, 3)}
+    # asked: q1's and q2's answers and q0's follow-up (not q0's answer: the crash left it), and where that
+    # follow-up was kept, q0's second answer and third question; no first question
+    assert f["requests"] == 3 + 2 * (len(q0) >= 3) and stats["requests"] == 3
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_path):
+    """validate.second_turns: a held-out conversation's second turn is sent as [user 1, the target alone's own
+    T=0 answer, user 2], token for token as the chat template renders it, and measured on the same server
+    start (the target alone's hook) beside turn 1. Two requests: turn 1, then turn 2."""
+    from eaglenest.serving.settings import ServerConfig
+    from eaglenest.validation.evalsets import read_prompts, resolve_sets
+    from eaglenest.validation.validate import _matrix_cells, _second_turns, measure_cell, resolve_settings
+
+    cfg, _ = toy_server
+    url = f"http://{cfg.host}:{cfg.port}"
+    heldout = tmp_path / "heldout.jsonl"
+    row = {"id": "c", "source": "t", "messages": [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant"},
+                                                   {"role": "user", "content": "What is 189 * 2?"}]}
+    heldout.write_text(json.dumps(row) + "\n")
+    # 96 tokens: the toy's reasoning, then its answer, the context turn 2 must carry
+    s = resolve_settings({"temperatures": [0], "max_tokens": 96}, GENERATION)
+    cells = _matrix_cells(s, resolve_sets([], heldout), read_prompts(heldout), GENERATION, None, print)
+    result = {"cells": [measure_cell(url, cfg.model_id, c) for c in cells]}
+    (first,) = result["cells"][0]["answers"]
+    assert first["content"] and first["reasoning"], first
+    logs = []
+    hooks = _second_turns({"baseline": (cfg.model, None, None)}, ServerConfig.from_dict({**BASE_CONFIG["server"], "port": cfg.port}),
+                          s, 3, cells, engine="transformers", log=logs.append)
+    hooks["baseline"](url, None, result)
+    (two,) = result["second_turns"]
+    assert (two["set"], two["turn"], two["prompts"], two["temperature"]) == ("heldout", 2, 1, 0)
+    assert two["output_tokens"] > 0 and two["tokens_per_step"] == 1.0
+    conversation = [row["messages"][0], {"role": "assistant", "content": first["content"]}, row["messages"][2]]
+    tok = AutoTokenizer.from_pretrained(TOY_TARGET)
+    expected = tok.encode(tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert two["answers"][0]["prompt_token_ids"] == expected
+    assert any("heldout turn 2 at T=0: 1 prompts" in line for line in logs), logs
+    # off, or with the target alone last (engine none: its answers come after the drafts' runs): not asked
+    assert _second_turns({"baseline": None}, cfg, {**s, "second_turns": False}, 3, cells, engine="transformers", log=print) == {}
+    assert _second_turns({"baseline": None}, cfg, s, 3, cells, engine="none", log=logs.append) == {}
+    assert "no second turns of heldout" in logs[-1]
+
+
 def test_the_target_alone_server_scores_outputs_as_transformers_does(toy_server, tmp_path):
     """validate.offline.engine none: the lossless check's scores (mean log-prob per completion token under the
     target) come from the target-alone server's prompt_logprobs; they equal the transformers target's, for a

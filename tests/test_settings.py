@@ -99,6 +99,9 @@ def test_defaults_are_the_schemas(cls):
     (QuestionSettings, {}, "dataset.generate.temperature", 0.7, True),
     (QuestionSettings, {}, "validate.datasets", [{"name": "x", "path": "toy/eval_prompts.jsonl"}], True),
     (QuestionSettings, {}, "generation.concurrency", 7, False),
+    (QuestionSettings, {}, "generation.max_tokens", 7, False),  # first questions alone: no answers asked
+    (QuestionSettings, {"dataset.generate.turns": 2}, "generation.max_tokens", 7, True),  # the answers between turns
+    (QuestionSettings, {}, "dataset.generate.turns", 2, True),
     (GenerationSettings, {}, "generation.concurrency", 7, False),
     (GenerationSettings, {}, "generation.request_timeout", 5, False),
     (GenerationSettings, {}, "generation.temperature", 0.6, True),

@@ -2,8 +2,9 @@
 
 Each named set loads through the training dataset's loader (``prompts.prepare_prompts``: a hub name or
 a local file, any row shape it reads), as one shard with nothing held out, so a set's prompts are
-what training would have read from the same source: the first user turn, deduplicated, shuffled by
-(seed, id) and cut at ``limit``.
+what training would have read from the same source: deduplicated, shuffled by (seed, id) and cut at
+``limit``. A row is sent as its first user turn (and the system turns before it); where its conversation
+goes on, the next user turn rides along as ``second_turn`` (``second_turns.first_turn``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from ..errors import ValidationError
 from ..data.prompts import prepare_prompts
 from ..settings import PromptSettings
+from .second_turns import first_turn
 
 HELDOUT = "heldout"  # the held-out split's name in the matrix; always the first set
 SET_DEFAULTS = {"split": "train", "subset": None, "limit": None, "seed": 0, "chat_template_kwargs": None,
@@ -34,6 +36,7 @@ def resolve_sets(datasets: list[dict] | None, heldout_path) -> list[dict]:
 
 
 def read_prompts(path) -> list[dict]:
+    """The prompt rows of a prepare_prompts file, each cut at its first user turn (``second_turns.first_turn``)."""
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -42,7 +45,7 @@ def read_prompts(path) -> list[dict]:
             row = json.loads(line)
             if not isinstance(row.get("messages"), list):
                 raise ValidationError(f"{path}:{lineno}: a prompt row needs 'messages' (a list of chat turns)")
-            rows.append(row)
+            rows.append(first_turn(row))
     if not rows:
         raise ValidationError(f"{path} holds no prompts: set dataset.heldout above 0")
     return rows

@@ -31,6 +31,7 @@ from ..draft.vllm_format import (PARALLEL_KEYS, SWITCHES, config_value, draft_co
                                   state_dict_from_vllm)
 from .matrix import PER_DRAFTED_STEP, drafted_said, matrix_findings, matrix_html, per_drafted_step, write_csv
 from .plots import bar_chart, esc, line_chart
+from .second_turns import second_turns_html
 
 
 
@@ -603,6 +604,7 @@ def render_html(report: dict, train_curves: dict | None = None) -> str:
     parts += _verdict_html(report)
     parts += _summary_html(report)
     parts += _drafts_html(report.get("drafts") or [])
+    parts += second_turns_html(report.get("second_turns") or [])
     parts += _curve_html(report.get("curve"), (report.get("ngram") or {}).get("tokens_per_step"))
     parts.append("<h2>Plots</h2>")
     parts.append('<div class="plots">' + "\n".join(_plots(report, train_curves)) + "</div>")

@@ -13,6 +13,8 @@
   resending the prompt set until its window lasts ``min_seconds``); for the speculative runs the
   acceptance from the DIFFERENCE of vLLM's /metrics counters read before and after both phases
   (``vllm_format.spec_counters``, ``vllm_format.acceptance``);
+  then, where a set's rows have a second user turn, that turn after the target alone's own T=0 answer
+  (``second_turns``; the target alone's run builds those prompts, the others reuse them);
 - the offline prediction (``predict.offline_acceptance``) the vLLM number is checked against;
 - the training curves, the cross-checks and the findings (``report``), whether the formats agree;
 - then the acceptance figures go into each draft's model card (``card.write_validation``).
@@ -47,6 +49,7 @@ from .evalsets import load_set, read_prompts, resolve_sets
 from .lossless import score_check, sequence_scores, served_scores
 from .matrix import build_matrix, matrix_markdown
 from .predict import offline_acceptance
+from .second_turns import has_second_turns, second_turns_markdown, second_turns_said, second_turns_section, turn_two_cells
 from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, side_by_side,
                      train_summary, write_report)
 
@@ -437,6 +440,7 @@ def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, setti
     With ``engine`` "none" the target alone runs last and scores every run's outputs before it stops. The runs
     in ``headline_only`` (validate.drafts') measure the headline cell alone, not the matrix."""
     runs, before_stop = {}, {}
+    turn_two = _second_turns(plan, srv, s, k, cells, engine=engine, log=log, skip=headline_only)
     if engine == "none":
         # No transformers copy of the target: the target-alone server scores every run's outputs, so it runs last.
         plan = {name: plan[name] for name in plan if name != "baseline"} | {"baseline": plan["baseline"]}
@@ -450,6 +454,8 @@ def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, setti
                                             concurrency=s["concurrency"])
 
         before_stop["baseline"] = score_on_server
+    for name in turn_two:
+        before_stop[name] = turn_two[name]
     for name, (model, spec, served_as) in plan.items():
         log(f"validate_draft: run '{name}' ({len(prompts)} prompts, k={k}, --model {model})")
         # The served name stays the target's when --model is a speculators draft directory.
@@ -465,6 +471,38 @@ def _measure_runs(plan: dict, srv: ServerConfig, s: dict, k: int, prompts, setti
         if served_as:
             runs[name]["served_as"] = served_as
     return runs
+
+
+def _second_turns(plan: dict, srv: ServerConfig, s: dict, k: int, cells, *, engine, log, skip=()) -> dict:
+    """``{run name: before_stop hook}`` that asks the sets' second turns on that run's server after its matrix
+    (``second_turns``): the target alone's hook builds the turn-2 prompts from its own T=0 answers first. Empty
+    where no set has a second turn, validate.second_turns is off, or the target alone runs last (engine none)."""
+    sets = sorted({c["set"] for c in cells if c["temperature"] == 0 and has_second_turns(c["prompts"])})
+    if not sets or not s["second_turns"]:
+        return {}
+    if engine == "none":
+        log(f"validate_draft: no second turns of {', '.join(sets)}: the target alone runs last to score the outputs "
+            f"(validate.offline.engine none), so its turn-1 answers come too late for the drafts' runs")
+        return {}
+    made = []  # the turn-2 cells, built on the target alone's server (the first to start)
+
+    def hook(name):
+        def ask(url, api_key, result):
+            if not made:
+                made.extend(turn_two_cells(cells, result["cells"]))
+            spec = plan[name][1]
+            run_k = (spec or {}).get("num_speculative_tokens") or (None if name == "baseline" else k)
+            result["second_turns"] = []
+            for c in made:
+                measured = measure_cell(url, srv.model_id, c, api_key=api_key, k=run_k)  # answers kept: never reported
+                result["second_turns"].append({**measured, "turn": c["turn"]})
+                log(f"{name}: {c['set']} turn {c['turn']} at T=0: {measured['prompts']} prompts, "
+                    f"{measured['output_tokens']} output tokens, {_steps_said(measured, run_k)}")
+        return ask
+
+    log(f"validate_draft: second turns of {', '.join(sets)} after the target alone's own turn-1 answers, at T=0 "
+        f"(validate.second_turns)")
+    return {name: hook(name) for name in plan if name not in skip}
 
 
 def _offline_prediction(target, draft_dir, runs: dict, prompts, s: dict, k: int, generation: dict, *, engine,
@@ -576,6 +614,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
                          workflow_pid=workflow_pid, log=log, headline_only={e["run"] for e in extras.values()})
     # Whether each run's T=0 held-out answers are the target alone's token for token (before the scores drop them).
     identical = {name: identical_share(r, runs["baseline"]) for name, r in runs.items()}
+    second = second_turns_section(runs)
+    for r in runs.values():
+        r.pop("second_turns", None)
     model, offline = _offline_prediction(target, draft_dir, runs, prompts, s, k, generation, engine=engine,
                                          hidden_dtype=hidden_dtype, hidden_backend=hidden_backend, log=log)
     score_cells(runs, model, alpha=s["lossless_alpha"], tolerance=s["lossless_tolerance"], log=log)
@@ -584,10 +625,13 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     report, curves = _report(drafts, formats, extras, runs, offline, sets, s, srv, target=target, prompts=prompts,
                              generation=generation, checkpoint_path=checkpoint_path, metrics_path=metrics_path,
                              curve_paths=curve_paths, identical=identical)
+    report["second_turns"] = second
     report["seconds"] = round(time.time() - t0, 1)
     write_report(report, json_path, html_path, curves, csv_path=csv_path)
     matrix_lines = matrix_markdown(report["matrix"]) if report.get("matrix") else []
     for fmt, path in drafts.items():
-        write_validation(path, report, fmt, matrix_lines)
+        write_validation(path, report, fmt, matrix_lines + second_turns_markdown(second))
     _log_summary(report, offline, s["concurrency"], json_path, html_path, log)
+    for line in second_turns_said(second):
+        log(f"validate_draft: {line}")
     return report
