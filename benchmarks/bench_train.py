@@ -6,7 +6,7 @@ target distribution as train_draft makes it from shards that have `target_next` 
 vocabulary's rows of the target head on the device, the greedy tokens given; `--target-argmax full`:
 the path of shards without it, the full head on the device and the argmax over it each step), with the
 step path train_draft's config picks on this device by default (on CUDA: flex attention, compiled
-step, recomputation, fused loss; see train.resolve_runtime), or the one the flags ask for.
+step, recomputation, fused loss; see device.resolve_runtime), or the one the flags ask for.
 bench_train_e2e.py measures train_draft itself, from shards on disk. Prints tokens/s, peak memory
 and model FLOP utilisation against the bf16 matrix rate measured in the same process. FLOPs are
 counted like ../shared/bench/bench_speculators.py (attention at the causal average), with our
@@ -25,13 +25,15 @@ import torch.nn.functional as F
 
 import eaglenest.draft.model
 from eaglenest.draft.batches import loss_rows
-from eaglenest.draft.checkpoint import resolve_config
 from eaglenest.draft.config import DraftConfig
-from eaglenest.draft.model import Eagle3Draft, Runtime
+from eaglenest.draft.device import AUTO_KEYS, configure_compile, resolve_runtime
+from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.optim import clip_and_step
-from eaglenest.draft.train import (AUTO_KEYS, configure_compile, make_optimizer, resolve_runtime,
-                                   target_distribution)
+from eaglenest.draft.runtime import Runtime
+from eaglenest.draft.targets import target_distribution
+from eaglenest.draft.train import make_optimizer
 from eaglenest.draft.ttt import token_embeds_ids, ttt_loss_plan
+from eaglenest.settings import TrainSettings
 
 SIZES = {  # hidden, intermediate, heads, kv heads, vocab
     "llama8b": (4096, 14336, 32, 8, 128256),
@@ -148,13 +150,13 @@ def main():
              "split_step_grads": a.split_step_grads, "diag_split": a.diag_split, "skip_unscored": a.skip_unscored}
     if a.freeze_lm_head is not None:
         given["freeze_lm_head"] = a.freeze_lm_head
-    run = resolve_runtime(resolve_config(given), dev)
+    run = resolve_runtime(TrainSettings.defaults().replace(**given), dev)
     rate = matmul_rate(dev, 512 if a.small else 8192)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name}; bf16 matmul {rate / 1e12:.1f} TFLOP/s; torch {torch.__version__}", flush=True)
-    label = "eaglenest-step-" + "-".join(f"{k}={run[k]}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head"))
+    label = "eaglenest-step-" + "-".join(f"{k}={getattr(run, k)}" for k in (*AUTO_KEYS, "bf16_weights", "freeze_lm_head"))
     label += f"-target_argmax={a.target_argmax}"
-    if run["compile"]:
+    if run.compile:
         configure_compile(range(len(a.ttt) * len(a.sizes) * len(a.flex_options)))
     rows = []
     for size in ["tiny"] if a.small else a.sizes:
@@ -162,8 +164,8 @@ def main():
         T = 128 if a.small else a.seq
         cfg = draft_config(size)
         DV = cfg.draft_vocab_size
-        model = Eagle3Draft(cfg, runtime=Runtime.from_config(run)).to(dev)
-        if run["freeze_lm_head"]:
+        model = Eagle3Draft(cfg, runtime=Runtime.from_settings(run)).to(dev)
+        if run.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
         g = torch.Generator(device=dev).manual_seed(0)
         embed = torch.randn(V, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
@@ -174,7 +176,7 @@ def main():
         # as train_draft: the embedding table stays off the device, each batch's rows come with it
         model.set_target(embed[:0], d2t, t2d)
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = make_optimizer(model, {**run, "lr": 1e-4}, dev == "cuda")
+        opt = make_optimizer(model, run.replace(lr=1e-4), dev == "cuda")
         draft_ids = model.draft_ids()
         t2d_dev = t2d.to(dev)
         if a.target_argmax == "shard":  # as train_draft: only the draft rows of the head are on the device
@@ -192,7 +194,7 @@ def main():
             mask = torch.ones(1, T, dtype=torch.bool, device=dev)
             mask[:, : a.prompt] = False
             rows_host = loss_rows(mask.cpu())  # train_draft's loader makes these on the host
-            extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T, chains=run["skip_unscored"]).items()}} if run["fused_loss"] or run["skip_unscored"] else {}
+            extra = {"plan": {k: v.to(dev) for k, v in ttt_loss_plan(rows_host, T, ttt, T, chains=run.skip_unscored).items()}} if run.fused_loss or run.skip_unscored else {}
             rows_dev = rows_host.to(dev)
 
             def step(nxt=nxt if a.target_argmax == "shard" else None):
@@ -216,7 +218,7 @@ def main():
                     torch.cuda.reset_peak_memory_stats()
                 warm = time.perf_counter() - t0
                 s = timed(step, a.iters, dev)
-                f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run["freeze_lm_head"])
+                f = flops_per_token(H, I, nh, nkv, DV, T, ttt, head_trained=not run.freeze_lm_head)
                 r = dict(impl=label, size=size, seq=T, prompt=a.prompt, ttt=ttt, flex_options=eaglenest.draft.layers.FLEX_KERNEL_OPTIONS,
                          step_ms=round(s * 1e3, 2), tokens_per_s=round(T / s), mfu=round(f * T / s / rate, 4),
                          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_extract import write_traces  # noqa: E402
 from bench_train import SIZES, flops_per_token, matmul_rate  # noqa: E402
 
-from eaglenest.draft.train import AUTO_KEYS  # noqa: E402
+from eaglenest.draft.device import AUTO_KEYS  # noqa: E402
 
 
 def make_data(root, size, seqs, seq, dev):
@@ -84,17 +84,17 @@ def make_data(root, size, seqs, seq, dev):
     return {"extract_s": round(extract_s, 2), "shard_gib": round(ext["bytes"] / 2**30, 2)}
 
 
-def dflash_flops_per_token(H, I, nh, nkv, DV, T, cfg):
+def dflash_flops_per_token(H, I, nh, nkv, DV, T, settings):
     """A DFlash step's FLOPs per sequence token, counted as ``bench_train.flops_per_token`` counts EAGLE's: per
     block slot and layer 6x the layer's MACs and its attention (the context up to the anchor, T/2 on average,
     and the block's S slots); per sequence token and layer 6x the context's k/v projections, and fc once;
     4x (frozen) or 6x (trained) the lm_head at the scored slots. Anchors: ``dflash_anchors``, at most T."""
-    S, L = cfg["dflash"]["block_size"], cfg["dflash"]["num_layers"]
+    S, L = settings.draft.dflash.block_size, settings.draft.dflash.num_layers
     hd = H // nh
-    N = min(cfg["dflash_anchors"], T)
+    N = min(settings.dflash_anchors, T)
     slot = 2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I + 2 * nh * hd * (T / 2 + S)  # q, o, k, v, MLP, attention
     ctx = 2 * H * nkv * hd
-    head = (4 if cfg["freeze_lm_head"] else 6) * N * (S - 1) * H * DV
+    head = (4 if settings.freeze_lm_head else 6) * N * (S - 1) * H * DV
     return (6 * (N * S * L * slot + T * L * ctx + T * 3 * H * H) + head) / T
 
 
@@ -109,9 +109,10 @@ def data_dir(root, size, seqs, seq):
 
 
 def main():
-    from eaglenest.draft.checkpoint import resolve_config
+    from eaglenest.draft.checkpoint import settings_with
+    from eaglenest.draft.device import resolve_runtime
     from eaglenest.draft.dflash_train import train_dflash
-    from eaglenest.draft.train import resolve_runtime, train_draft
+    from eaglenest.draft.train import train_draft
 
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["llama8b", "kimi"])
@@ -122,7 +123,8 @@ def main():
     p.add_argument("--ttt", type=int, default=None, help="ttt_length (default: train's default)")
     p.add_argument("--dir", default=None, help="local directory for the shards (default: a temp dir)")
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
-    p.add_argument("--config", default="{}", help="training config overrides as JSON (labelled in the output; "
+    p.add_argument("--config", default="{}", help="training settings overrides as JSON, keyed as the checkpoint records them "
+                   "(train: keys and the draft's shape keys: checkpoint.settings_with; labelled in the output; "
                    "the figures of issue 12 use none)")
     p.add_argument("--kind", default=None, choices=["eagle3", "eagle3.1", "peagle", "dflash"],
                    help="the draft kind (draft.kind; default: the training config's)")
@@ -141,8 +143,8 @@ def main():
         config["ttt_length"] = a.ttt
     if a.kind:
         config["kind"] = a.kind
-    resolved = resolve_runtime(resolve_config(config), dev)
-    kind = resolved["kind"]
+    resolved = resolve_runtime(settings_with(config), dev)
+    kind = resolved.draft.kind
     results = []
     for size in a.sizes:
         H, I, nh, nkv, V = SIZES[size]
@@ -166,24 +168,24 @@ def main():
             trainer = train_dflash if kind == "dflash" else train_draft
             t0 = time.perf_counter()
             stats = trainer([data_root / "shard_0.safetensors"], data_root / "vocab.safetensors", root / "draft.safetensors",
-                            root / "metrics.csv", head_path=data_root / "target_head.safetensors", config=config,
-                            state_dir=root / "state", device=dev, progress=False)
+                            root / "metrics.csv", head_path=data_root / "target_head.safetensors",
+                            settings=settings_with(config).replace(device=dev), state_dir=root / "state", progress=False)
             wall = time.perf_counter() - t0
             rows = list(csv.DictReader(open(root / "metrics.csv")))
             after = [r for r in rows if int(r["step"]) > a.warmup]
             tok_s = statistics.median(float(r["tokens_per_s"]) for r in after)
             how = f"config overrides {json.dumps(overrides)}" if overrides else "default config"
             if kind == "dflash":
-                ttt = resolved["dflash"]["block_size"] - 1  # the slots drafted
+                ttt = resolved.draft.dflash.block_size - 1  # the slots drafted
                 f = dflash_flops_per_token(H, I, nh, nkv, DV, a.seq, resolved)
-                impl = (f"eaglenest train_dflash e2e ({how}: kind dflash, block {resolved['dflash']['block_size']}, "
-                        f"{resolved['dflash']['num_layers']} layers, {resolved['dflash_anchors']} anchors, dense block attention, "
-                        f"bf16 autocast on CUDA, fp32 AdamW, freeze_lm_head={resolved['freeze_lm_head']})")
+                impl = (f"eaglenest train_dflash e2e ({how}: kind dflash, block {resolved.draft.dflash.block_size}, "
+                        f"{resolved.draft.dflash.num_layers} layers, {resolved.dflash_anchors} anchors, dense block attention, "
+                        f"bf16 autocast on CUDA, fp32 AdamW, freeze_lm_head={resolved.freeze_lm_head})")
             else:
-                ttt = resolved["ttt_length"]
-                f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved["freeze_lm_head"])
+                ttt = resolved.ttt_length
+                f = flops_per_token(H, I, nh, nkv, DV, a.seq, ttt, head_trained=not resolved.freeze_lm_head)
                 impl = (f"eaglenest train_draft e2e ({how}: kind {kind}, " + ", ".join(
-                    f"{k}={resolved[k]}" for k in (*AUTO_KEYS, "bf16_weights", "fp8", "freeze_lm_head")) + ")")
+                    f"{k}={getattr(resolved, k)}" for k in (*AUTO_KEYS, "bf16_weights", "fp8", "freeze_lm_head")) + ")")
             r = dict(impl=impl, kind=kind, size=size, seq=a.seq, ttt=ttt, steps=stats["steps"], tokens_per_s=round(tok_s),
                      step_ms=round(a.seq / tok_s * 1e3, 2), mfu=round(f * tok_s / rate, 4),
                      peak_gib=round(max(float(r["peak_gib"]) for r in after), 2) if "peak_gib" in rows[0] else None,

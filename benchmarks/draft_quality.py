@@ -298,8 +298,8 @@ def train_ours(lay: Layout, n, kind, overrides, device):
     d = lay.size_dir(n) / kind
     d.mkdir(parents=True, exist_ok=True)
     stats = train_draft(hidden, lay.size_dir(n) / "vocab.safetensors", d / "checkpoint.safetensors", d / "metrics.csv",
-                        head_path=lay.head, config=TrainSettings.from_config(cfg).config(), state_dir=d / "state",
-                        device=device, progress=False)
+                        head_path=lay.head, settings=TrainSettings.from_config(cfg).replace(**({"device": device} if device else {})),
+                        state_dir=d / "state", progress=False)
     export_draft(d / "checkpoint.safetensors", d / "export", ExportSettings.from_config(cfg))
     return {"trainer": kind, "seconds": stats.get("seconds"), "tokens": stats.get("tokens"), "steps": stats.get("steps"),
             "loss": stats.get("loss"), "acc": stats.get("acc"), "tokens_per_s": stats.get("tokens_per_s")}

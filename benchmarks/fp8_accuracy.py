@@ -96,12 +96,13 @@ class _OnDevice:
 
 
 def train(root, name, config, dev):
+    from eaglenest.draft.checkpoint import settings_with
     from eaglenest.draft.train import train_draft
 
     t0 = time.perf_counter()
     stats = train_draft([root / "shard_0.safetensors"], root / "vocab.safetensors", root / f"{name}.safetensors",
-                        root / f"{name}.csv", head_path=root / "target_head.safetensors", config=config,
-                        state_dir=root / f"state_{name}", device=dev, progress=False)
+                        root / f"{name}.csv", head_path=root / "target_head.safetensors",
+                        settings=settings_with(config).replace(device=dev), state_dir=root / f"state_{name}", progress=False)
     rows = list(csv.DictReader(open(root / f"{name}.csv")))
     return rows, stats, round(time.perf_counter() - t0, 1)
 
@@ -118,9 +119,9 @@ def main():
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.cpu_fp8:  # the CPU plumbing check: FP8 forced on
-        from eaglenest.draft import train as train_mod
+        from eaglenest.draft import device as device_mod
 
-        train_mod.resolve_fp8 = lambda setting, device, capability=None: bool(setting)
+        device_mod.resolve_fp8 = lambda setting, device, capability=None: bool(setting)
     # the toy's schedule (config.yaml), at --ttt TTT steps
     config = {"max_steps": a.steps, "batch_tokens": a.batch_tokens, "lr": 0.001, "warmup_steps": min(20, a.steps // 10),
               "ttt_length": a.ttt, "seed": a.seed, "log_every": 10}

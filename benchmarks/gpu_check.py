@@ -23,13 +23,16 @@ import time
 
 import torch
 
-from eaglenest.draft.checkpoint import resolve_config
+from eaglenest.draft.checkpoint import settings_with
 from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.device import configure_compile, resolve_runtime
 from eaglenest.draft.dflash import DFlashConfig, DFlashDraft, sample_anchors
 from eaglenest.draft.fp8 import use_fp8
-from eaglenest.draft.model import Eagle3Draft, Runtime
+from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.optim import clip_and_step
-from eaglenest.draft.train import configure_compile, make_optimizer, resolve_runtime, target_distribution
+from eaglenest.draft.runtime import Runtime
+from eaglenest.draft.targets import target_distribution
+from eaglenest.draft.train import make_optimizer
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True, "split_step_grads": True, "diag_split": True,
         "skip_unscored": True}
@@ -67,7 +70,7 @@ def timed_ms(fn, dev):
 
 
 def check_target_distribution(dev):
-    """train.target_distribution with target_next (the draft rows of the head, [Vd, H]) against the
+    """targets.target_distribution with target_next (the draft rows of the head, [Vd, H]) against the
     full-vocabulary path, bf16 as on CUDA: same argmax and in_draft, probs up to the matmul's rounding;
     milliseconds of each at 2048 loss rows."""
     H, V, DV, N = (7168, 163840, 32000, 2048) if dev == "cuda" else (256, 4096, 1024, 256)
@@ -333,8 +336,8 @@ def check_peagle(dev):
     init_away(model)
     model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
     model.to(dev).train()
-    train_cfg = resolve_runtime(resolve_config({"kind": "peagle"}), dev)
-    fast = Runtime.from_config(train_cfg)
+    train_cfg = resolve_runtime(settings_with({"kind": "peagle"}), dev)
+    fast = Runtime.from_settings(train_cfg)
     if dev != "cuda":  # train_draft's CPU path is the reference itself: the one call anyway, uncompiled
         fast = dataclasses.replace(fast, attention="flex", fused_loss=True, compiled=False)
     g = torch.Generator().manual_seed(1)
@@ -368,7 +371,7 @@ def check_peagle(dev):
         print(json.dumps(r), flush=True)
         if not r["ok"]:
             failures.append(r)
-        if train_cfg["fp8"]:  # FP8 products (train's default on Hopper), loose: they catch a broken swap, not a drift
+        if train_cfg.fp8:  # FP8 products (train's default on Hopper), loose: they catch a broken swap, not a drift
             m8 = copy.deepcopy(m16)
             swapped = use_fp8(m8)
             got8 = run(m8, dataclasses.asdict(fast), ids, aux, targets, 7, autocast=True)
@@ -380,7 +383,7 @@ def check_peagle(dev):
                 failures.append(r)
     m = copy.deepcopy(model)
     m.runtime = fast
-    opt = make_optimizer(m, {"bf16_weights": train_cfg["bf16_weights"], "lr": 1e-3, "weight_decay": 0.0}, dev == "cuda")
+    opt = make_optimizer(m, train_cfg.replace(lr=1e-3, weight_decay=0.0), dev == "cuda")
     params = [p for p in m.parameters() if p.requires_grad]
     losses = steps_lower_loss(m, opt, params, lambda mm: mm(ids, aux, targets, ttt_length=7, chunk=300)[0], dev)
     r = {"check": "peagle", "train_steps_loss": losses, "ok": bool(losses[-1] < 0.98 * losses[0] and torch.isfinite(torch.tensor(losses)).all())}

@@ -310,13 +310,6 @@ class TrainSettings(Stage):
     draft: DraftSettings = setting(DraftSettings.from_config)
     hidden: HiddenSettings = setting(HiddenSettings.from_config, reruns=False)  # stream mode: in the fingerprint
 
-    def config(self) -> dict:
-        """The training config train_draft runs on (and writes into the checkpoint): the schedule and code
-        paths, and the draft's shape keys, flat."""
-        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-               if f.name not in ("device", "gpus", "nproc", "draft", "hidden")}
-        return {**out, **self.draft.shape(), "dflash": self.draft.dflash.fingerprint()}
-
     def fingerprint(self) -> dict:
         out = super().fingerprint()
         if self.draft.kind != "dflash":

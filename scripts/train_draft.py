@@ -8,7 +8,7 @@ to_log(snakemake.log[0])
 
 import torch
 
-from eaglenest.draft.train import train_in_processes
+from eaglenest.draft.launch import train_in_processes
 from eaglenest.gpus import hold_gpus
 from eaglenest.serving.probe import check_sentinel
 from eaglenest.serving.settings import ServerConfig
@@ -22,17 +22,17 @@ hold_gpus(snakemake.resources.get("gpu", 0), log=say)
 torch.set_num_threads(usable_threads(snakemake.threads))
 
 settings, io, state_dir = TrainSettings.from_config(snakemake.config), snakemake.input, snakemake.params.state_dir
-config, server = settings.config(), snakemake.config["server"]
+server = snakemake.config["server"]
 stream = None if settings.hidden.mode != "stream" else stream_spec(
     settings.hidden, traces=io.traces, ready=check_sentinel(io.ready, ServerConfig.from_dict(server).api_key()),
-    head=io.head, server=server, batch_tokens=config["batch_tokens"], cache_dir=STREAM_CACHE_DIR)
+    head=io.head, server=server, batch_tokens=settings.batch_tokens, cache_dir=STREAM_CACHE_DIR)
 if settings.draft.kind == "dflash":  # its own trainer (one process, shards)
     from eaglenest.draft.dflash_train import train_dflash
 
     train_dflash(list(io.get("hidden", [])), io.vocab, snakemake.output.checkpoint, snakemake.output.metrics, head_path=io.head,
-                 config=config, state_dir=state_dir, device=settings.device, stream=stream,
+                 settings=settings, state_dir=state_dir, stream=stream,
                  snapshot_paths=list(snakemake.output.snapshots))
     sys.exit(0)
 sys.exit(train_in_processes(snakemake.params.nproc, list(io.get("hidden", [])), io.vocab, snakemake.output.checkpoint,
-                            snakemake.output.metrics, head_path=io.head, config=config, state_dir=state_dir,
-                            device=settings.device, stream=stream, snapshot_paths=list(snakemake.output.snapshots)))
+                            snakemake.output.metrics, head_path=io.head, settings=settings, state_dir=state_dir,
+                            stream=stream, snapshot_paths=list(snakemake.output.snapshots)))

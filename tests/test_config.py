@@ -58,7 +58,8 @@ def test_every_schema_default_reaches_the_code_unchanged():
     import dataclasses
 
     from eaglenest.data import traces
-    from eaglenest.draft import train
+    from eaglenest.draft.checkpoint import train_record
+    from eaglenest.settings import TrainSettings
     from eaglenest.validation import validate
     from eaglenest.config import defaults
     from eaglenest.serving.settings import ServerConfig
@@ -75,8 +76,8 @@ def test_every_schema_default_reaches_the_code_unchanged():
     assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
     shape = ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual",
              "mask_token_id")
-    assert train.resolve_config({}) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
-                                        **{k: resolved["draft"][k] for k in shape}, "dflash": resolved["draft"]["dflash"]}
+    assert train_record(TrainSettings.defaults()) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
+                                                      **{k: resolved["draft"][k] for k in shape}, "dflash": resolved["draft"]["dflash"]}
     # The null defaults fall back to generation's: 0 and its temperature, its top_p.
     assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77,
                                                                  "temperatures": [0.0], "top_p": 1.0}

@@ -1,7 +1,6 @@
 """Training under torchrun: 2 processes (gloo, CPU) follow the same loss curve as 1 process with the
 same global batch, and a run resumes across a change of the number of processes."""
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -10,15 +9,18 @@ import torch
 
 from eaglenest.draft import train
 from eaglenest.draft.checkpoint import load_checkpoint
+from eaglenest.draft.launch import write_settings
+from tests.support.training import train_settings
 from tests.test_train import CONFIG, run
 
 
 def torchrun(data, out, config, nproc):
+    settings = write_settings(train_settings(config), out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eaglenest.draft.train", "--hidden", *map(str, data["hidden_paths"]), "--vocab", str(data["vocab_path"]),
+           "-m", "eaglenest.draft.launch", "--hidden", *map(str, data["hidden_paths"]), "--vocab", str(data["vocab_path"]),
            "--head", str(data["head_path"]), "--out", str(out / "checkpoint.safetensors"),
            "--metrics", str(out / "train_metrics.csv"), "--state-dir", str(out / ".train_state"),
-           "--config", json.dumps(config), "--device", "cpu"]
+           "--settings", str(settings)]
     out_ = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out_.returncode == 0, out_.stderr[-3000:]
     return out_.stderr

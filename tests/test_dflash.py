@@ -16,6 +16,7 @@ from eaglenest.states.target import TargetFacts
 from eaglenest.vllm_facts import aux_layers_of_dflash, dflash_target_layer_ids, speculative_config
 from tests.support.config import TOY_TARGET
 from tests.support.drafts import TOY_AUX, TOY_MASK, TOY_TRAIN
+from tests.support.training import train_settings
 
 
 def toy_facts():
@@ -25,8 +26,9 @@ def toy_facts():
 
 
 def dflash_config(info, block_size=4, num_layers=2, vocab=48):
-    return DFlashConfig.from_target(info, vocab, {"dflash": {"block_size": block_size, "num_layers": num_layers},
-                                                             "mask_token_id": TOY_MASK})
+    draft = train_settings({"kind": "dflash", "mask_token_id": TOY_MASK,
+                            "dflash": {"block_size": block_size, "num_layers": num_layers}}).draft
+    return DFlashConfig.from_target(info, vocab, draft)
 
 
 def small_draft(info, seed=0, **shape):
@@ -157,7 +159,7 @@ def test_training_on_the_toys_answers_lowers_the_loss_and_drafts_what_the_target
     assert load_checkpoint(toy_dflash / "half.safetensors")[3]["steps"] == 50  # snapshot_steps: halfway
     with pytest.raises(ValueError, match="train_dflash"):
         train_draft(toy_states["hidden_paths"], toy_states["vocab_path"], toy_dflash / "x", toy_dflash / "y",
-                    head_path=toy_states["head_path"], config=TOY_TRAIN, state_dir=toy_dflash / "state", device="cpu")
+                    head_path=toy_states["head_path"], settings=train_settings(TOY_TRAIN), state_dir=toy_dflash / "state")
     head, _ = load_target_head(toy_states["head_path"])
     draft, aux = load_dflash_draft(toy_dflash / "export", head["embed_tokens.weight"].float())
     heldout = HiddenShards([toy_states["heldout"]])

@@ -54,7 +54,7 @@ def test_export_then_reload_is_identical(checkpoint, tmp_path):
 
 def test_untrained_export_has_the_same_shape(checkpoint, data, tmp_path):
     export_draft(checkpoint, tmp_path / "trained")
-    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "untrained", config={"ttt_length": 3})
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "untrained")
     c1, t1 = load_exported(tmp_path / "trained")
     c2, t2 = load_exported(tmp_path / "untrained")
     assert c1 == c2

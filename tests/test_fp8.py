@@ -3,21 +3,22 @@ import copy
 import pytest
 import torch
 
-from eaglenest.draft import fp8, train
-from eaglenest.draft.checkpoint import resolve_config
+from eaglenest.draft import fp8
 from eaglenest.draft.config import DraftConfig
+from eaglenest.draft.device import resolve_runtime
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.vocab import maps_from_ids
+from tests.support.training import train_settings
 
 V, VD, H = 64, 32, 32
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
 def test_fp8_is_auto_by_default_and_auto_takes_it_only_on_gpus_with_fp8():
-    assert resolve_config({})["fp8"] == "auto"
+    assert train_settings().fp8 == "auto"
     assert fp8.resolve_fp8("auto", "cpu") is False
-    assert train.resolve_runtime(resolve_config({}), "cuda", capability=HOPPER)["fp8"] is True
-    assert train.resolve_runtime(resolve_config({}), "cpu")["fp8"] is False
+    assert resolve_runtime(train_settings(), "cuda", capability=HOPPER).fp8 is True
+    assert resolve_runtime(train_settings(), "cpu").fp8 is False
     assert fp8.resolve_fp8("auto", "cuda:0", capability=AMPERE) is False
     assert fp8.resolve_fp8("auto", "cuda:0", capability=(8, 9)) is True
     assert fp8.resolve_fp8("auto", "cuda", capability=HOPPER) is True
@@ -99,7 +100,7 @@ def test_fp8_on_the_split_step_path_casts_each_weight_once_a_step_and_learns_lik
     """The GPU's default path (flex layout, per-step weight aliases, diagonal split, unscored positions
     skipped; dense masks on CPU): the layer's FP8 weights are cast once per forward (``weight_casts``),
     not again in any TTT step or in backward, and loss and gradients stay close to bf16's."""
-    from eaglenest.draft.model import Runtime
+    from eaglenest.draft.runtime import Runtime
 
     torch.manual_seed(0)
     model = make_model(intermediate_size=48)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from eaglenest.draft.config import KINDS, DraftConfig
 from eaglenest.draft.losses import soft_cross_entropy, ttt_loss
-from eaglenest.draft.model import Eagle3Draft, Runtime
+from eaglenest.draft.model import Eagle3Draft
+from eaglenest.draft.runtime import Runtime
 from eaglenest.draft.vllm_format import tensor_shapes
 from eaglenest.draft.vocab import maps_from_ids
 

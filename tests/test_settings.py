@@ -168,19 +168,22 @@ def test_settings_are_frozen():
 
 
 def test_training_config_takes_the_drafts_shape_from_draft():
-    config = TrainSettings.from_config(_with({"draft.intermediate_size": 48, "draft.norm_before_residual": True}))
-    assert config.config()["intermediate_size"] == 48 and config.config()["norm_before_residual"] is True
-    assert not {"device", "gpus", "nproc", "draft", "hidden"} & set(config.config())
+    from eaglenest.draft.checkpoint import train_record
+
+    settings = TrainSettings.from_config(_with({"draft.intermediate_size": 48, "draft.norm_before_residual": True}))
+    record = train_record(settings)  # what the checkpoint records of the run
+    assert record["intermediate_size"] == 48 and record["norm_before_residual"] is True
+    assert not {"device", "gpus", "nproc", "draft", "hidden"} & set(record)
 
 
 def test_draft_kind_reaches_the_draft_and_retrains_it():
     """draft.kind travels like the draft's other shape keys (DraftSettings -> the training config ->
     DraftConfig) and is in train_draft's fingerprint; the schema refuses a kind vLLM does not serve."""
-    from eaglenest.draft.checkpoint import draft_config, resolve_config
+    from eaglenest.draft.checkpoint import draft_config
     from eaglenest.states.target import TargetFacts
 
     eagle31, eagle3 = TrainSettings.defaults(), TrainSettings.from_config(_with({"draft.kind": "eagle3"}))
-    assert eagle3.draft.kind == "eagle3" and eagle31.config()["kind"] == "eagle3.1"  # the default: eagle3.1
+    assert eagle3.draft.kind == "eagle3" and eagle31.draft.kind == "eagle3.1"  # the default: eagle3.1
     assert eagle3.fingerprint() != eagle31.fingerprint()
     from transformers import LlamaConfig
 
@@ -188,7 +191,7 @@ def test_draft_kind_reaches_the_draft_and_retrains_it():
                          num_key_value_heads=2)
     info = TargetFacts.of(target, [1, 2, 3], "t")
     for settings, on in ((eagle3, False), (eagle31, True)):
-        dcfg = draft_config(info, 20, resolve_config(settings.config()))
+        dcfg = draft_config(info, 20, settings.draft)
         assert (dcfg.fc_norm, dcfg.norm_output, dcfg.kind) == (on, on, settings.draft.kind)
         assert (dcfg.parallel_drafting, dcfg.mask_token_id) == (False, None)
     # P-EAGLE: parallel drafting, its mask token the target's last id unless draft.mask_token_id names one
@@ -196,7 +199,7 @@ def test_draft_kind_reaches_the_draft_and_retrains_it():
     masked = TrainSettings.from_config(_with({"draft.kind": "peagle", "draft.mask_token_id": 7}))
     assert peagle.fingerprint() != eagle3.fingerprint() and masked.fingerprint() != peagle.fingerprint()
     for settings, mask in ((peagle, 49), (masked, 7)):
-        dcfg = draft_config(info, 20, resolve_config(settings.config()))
+        dcfg = draft_config(info, 20, settings.draft)
         assert (dcfg.kind, dcfg.parallel_drafting, dcfg.mask_token_id) == ("peagle", True, mask)
     with pytest.raises(Exception, match="eagle3.2|enum|not one of"):
         _with({"draft.kind": "eagle3.2"})

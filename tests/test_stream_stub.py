@@ -27,6 +27,7 @@ from eaglenest.states.target import save_target_head
 from eaglenest.settings import DraftSettings, HiddenSettings
 from tests.support.config import TOY_TARGET
 from tests.support.servers import free_port
+from tests.support.training import train_settings
 from tests.test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
 
 CONFIG = {"ttt_length": 2, "batch_tokens": 256, "max_steps": 16, "save_every": 4, "lr": 3e-3, "warmup_steps": 2,
@@ -85,7 +86,7 @@ def _spec(data, stub, **over):
 
 def _train(data, out, stream=None, hidden=()):
     return train_draft(list(hidden), data["vocab"], out / "checkpoint.safetensors", out / "metrics.csv",
-                       head_path=data["head"], config=CONFIG, state_dir=out / "state", device="cpu", progress=False,
+                       head_path=data["head"], settings=train_settings(CONFIG), state_dir=out / "state", progress=False,
                        stream=stream)
 
 
@@ -160,7 +161,7 @@ def _ddp_rank(rank, world, port, data, out, spec, config):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     train_draft([], data["vocab"], out / "checkpoint.safetensors", out / "metrics.csv", head_path=data["head"],
-                config=config, state_dir=out / "state", device="cpu", progress=False, stream=spec)
+                settings=train_settings(config), state_dir=out / "state", progress=False, stream=spec)
 
 
 def test_two_streaming_ranks_equal_one_process_accumulating_two(data, tmp_path):
@@ -172,8 +173,8 @@ def test_two_streaming_ranks_equal_one_process_accumulating_two(data, tmp_path):
         spec = _spec(data, stub, storage=str(storage), cache_dir=str(tmp_path / "cache"))
         torch.multiprocessing.spawn(_ddp_rank, args=(2, port, data, tmp_path / "ddp", spec, config), nprocs=2)
         train_draft([], data["vocab"], tmp_path / "one/checkpoint.safetensors", tmp_path / "one/metrics.csv",
-                    head_path=data["head"], config={**config, "grad_accum": 2}, state_dir=tmp_path / "one/state",
-                    device="cpu", progress=False, stream=spec)
+                    head_path=data["head"], settings=train_settings({**config, "grad_accum": 2}),
+                    state_dir=tmp_path / "one/state", progress=False, stream=spec)
     a = load_checkpoint(tmp_path / "ddp" / "checkpoint.safetensors")[0]
     b = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")[0]
     for k in a:

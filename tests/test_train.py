@@ -10,10 +10,13 @@ import torch
 from eaglenest.draft import batches as batching
 from eaglenest.draft import train
 from eaglenest.draft.batches import epoch_batches
-from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
-from eaglenest.draft.model import Runtime
-from eaglenest.draft.train import lr_at, target_distribution, train_draft
+from eaglenest.draft.checkpoint import load_checkpoint
+from eaglenest.draft.device import AUTO_KEYS, resolve_runtime
+from eaglenest.draft.runtime import Runtime
+from eaglenest.draft.targets import target_distribution
+from eaglenest.draft.train import lr_at, train_draft
 from eaglenest.states.target import load_target_head
+from tests.support.training import train_settings
 
 CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
 
@@ -21,7 +24,7 @@ CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2,
 def run(data, out, config=CONFIG):
     return train_draft(
         data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "train_metrics.csv",
-        head_path=data["head_path"], config=config, state_dir=out / ".train_state", device="cpu", progress=False,
+        head_path=data["head_path"], settings=train_settings(config), state_dir=out / ".train_state", progress=False,
     )
 
 
@@ -138,17 +141,17 @@ def test_batches_cover_each_sequence_once_within_budget():
     assert batches != epoch_batches(lengths, epoch=1, seed=1, batch_tokens=80, window=8)
     assert all(len(b) <= 2 for b in epoch_batches(lengths, 0, 1, 10**6, batch_size=2))
     per_epoch = len(epoch_batches([10] * 100, 0, 0, 20))  # 2 sequences a batch: 50
-    assert [batching.count_steps([10] * 100, resolve_config({"epochs": e, "batch_tokens": 20}), 1) for e in (0.5, 1, 2)] == [
+    assert [batching.count_steps([10] * 100, train_settings({"epochs": e, "batch_tokens": 20}), 1) for e in (0.5, 1, 2)] == [
         per_epoch // 2, per_epoch, 2 * per_epoch]
 
 
 def test_lr_warmup_then_cosine():
-    cfg = resolve_config({"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1})
+    cfg = train_settings({"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1})
     lrs = [lr_at(s, cfg, 20) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] >= 0.1
-    with pytest.raises(ValueError, match="unknown training config keys"):
-        resolve_config({"learning_rate": 1})
+    with pytest.raises(ValueError, match="unknown training keys"):
+        train_settings({"learning_rate": 1})
 
 
 def test_target_distribution_shifts_the_mask_and_flags_out_of_vocab():
@@ -215,7 +218,7 @@ def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(
     for name, shard in (("old", old), ("same", same)):
         out = tmp_path / name
         train_draft([shard], data["vocab_path"], out / "c.safetensors", out / "m.csv", head_path=data["head_path"],
-                    config=CONFIG, state_dir=out / "state", device="cpu", progress=False)
+                    settings=train_settings(CONFIG), state_dir=out / "state", progress=False)
         rows[name] = list(csv.DictReader(open(out / "m.csv")))
     said = capsys.readouterr()
     assert "1 shard(s) have no target_next" in said.out + said.err and str(old) in said.out + said.err
@@ -226,31 +229,31 @@ def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(
 
 
 def test_default_selection_picks_the_fast_path_on_cuda_and_the_reference_on_cpu():
-    cfg = resolve_config({})
-    assert {k: cfg[k] for k in train.AUTO_KEYS} == dict.fromkeys(train.AUTO_KEYS, "auto")
-    cpu = train.resolve_runtime(cfg, "cpu")
-    assert (cpu["attention"], cpu["compile"], cpu["recompute"], cpu["fused_loss"]) == ("sdpa", False, False, False)
-    cuda = train.resolve_runtime(cfg, "cuda:0")
-    assert (cuda["attention"], cuda["compile"], cuda["recompute"], cuda["fused_loss"]) == ("flex", True, False, True)
-    assert cfg["freeze_lm_head"] is True
-    assert (cpu["bf16_weights"], cuda["bf16_weights"]) == (False, True)
-    assert train.resolve_runtime({**cfg, "attention": "sdpa"}, "cuda")["compile"] is False
-    assert train.resolve_runtime({**cfg, "freeze_lm_head": False}, "cuda")["recompute"] is True
+    cfg = train_settings({})
+    assert {k: getattr(cfg, k) for k in AUTO_KEYS} == dict.fromkeys(AUTO_KEYS, "auto")
+    cpu = resolve_runtime(cfg, "cpu")
+    assert (cpu.attention, cpu.compile, cpu.recompute, cpu.fused_loss) == ("sdpa", False, False, False)
+    cuda = resolve_runtime(cfg, "cuda:0")
+    assert (cuda.attention, cuda.compile, cuda.recompute, cuda.fused_loss) == ("flex", True, False, True)
+    assert cfg.freeze_lm_head is True
+    assert (cpu.bf16_weights, cuda.bf16_weights) == (False, True)
+    assert resolve_runtime(cfg.replace(attention="sdpa"), "cuda").compile is False
+    assert resolve_runtime(cfg.replace(freeze_lm_head=False), "cuda").recompute is True
     with pytest.raises(ValueError, match="train.compile: true needs attention: flex on a CUDA device"):
-        train.resolve_runtime({**cfg, "compile": True}, "cpu")
-    assert (cpu["split_step_grads"], cpu["diag_split"], cuda["split_step_grads"], cuda["diag_split"]) == (False, False, True, True)
+        resolve_runtime(cfg.replace(compile=True), "cpu")
+    assert (cpu.split_step_grads, cpu.diag_split, cuda.split_step_grads, cuda.diag_split) == (False, False, True, True)
     for key in ("split_step_grads", "diag_split"):
         with pytest.raises(ValueError, match=f"train.{key}: true needs attention: flex"):
-            train.resolve_runtime({**cfg, key: True}, "cpu")
-    assert (cpu["skip_unscored"], cuda["skip_unscored"]) == (False, True)
-    assert train.resolve_runtime({**cfg, "diag_split": False}, "cuda")["skip_unscored"] is False
+            resolve_runtime(cfg.replace(**{key: True}), "cpu")
+    assert (cpu.skip_unscored, cuda.skip_unscored) == (False, True)
+    assert resolve_runtime(cfg.replace(diag_split=False), "cuda").skip_unscored is False
     with pytest.raises(ValueError, match="train.skip_unscored: true needs diag_split"):
-        train.resolve_runtime({**cfg, "diag_split": False, "skip_unscored": True}, "cuda")
-    runtime = Runtime.from_config(cuda, world=2)  # DDP watches the parameters' own gradients
+        resolve_runtime(cfg.replace(diag_split=False, skip_unscored=True), "cuda")
+    runtime = Runtime.from_settings(cuda, world=2)  # DDP watches the parameters' own gradients
     assert runtime.split_step_grads is False and runtime.diag_split is True
     # compiled: batches padded to one shape per padded length
-    assert batching.padded_shape(1900, 3, {**cuda, "batch_tokens": 8192, "batch_size": None}) == (4, 1920)
-    assert batching.padded_shape(1900, 3, {**cpu, "batch_tokens": 8192, "batch_size": None}) == (3, 1900)
+    assert batching.padded_shape(1900, 3, cuda.replace(batch_tokens=8192, batch_size=None)) == (4, 1920)
+    assert batching.padded_shape(1900, 3, cpu.replace(batch_tokens=8192, batch_size=None)) == (3, 1900)
 
 
 def test_default_config_trains_on_cpu_with_the_reference_path(data, tmp_path, capsys):
@@ -345,11 +348,11 @@ def test_compiled_batches_come_in_one_shape_per_padded_length():
 
     rng = random.Random(0)
     lengths = [rng.randint(5, 2048) for _ in range(3000)]
-    cfg = train.resolve_runtime(resolve_config({"batch_tokens": 8192}), "cuda")
+    cfg = resolve_runtime(train_settings({"batch_tokens": 8192}), "cuda")
     shapes = batching.run_shapes(lengths, cfg, 0, 400, 1)
     assert all(T % 128 == 0 and B == 8192 // T for B, T in shapes)
     assert len(shapes) == len({T for _, T in shapes}) <= 2048 // 128
-    for batch in batching.epoch_batches(lengths, 0, cfg["seed"], 8192, pad_to=128):
+    for batch in batching.epoch_batches(lengths, 0, cfg.seed, 8192, pad_to=128):
         B, T = batching.padded_shape(max(lengths[k] for k in batch), len(batch), cfg)
         assert len(batch) <= B and B * T <= 8192
 
@@ -375,7 +378,7 @@ def test_skip_unscored_trains_the_same_draft(data, tmp_path, monkeypatch):
     for skip in (True, False):
         out = tmp_path / str(skip)
         train_draft(data["hidden_paths"], data["vocab_path"], out / "c.safetensors", out / "m.csv", head_path=data["head_path"],
-                    config={**config, "skip_unscored": skip}, state_dir=out / "state", device="cpu", progress=False)
+                    settings=train_settings({**config, "skip_unscored": skip}), state_dir=out / "state", progress=False)
         rows[skip] = list(csv.DictReader(open(out / "m.csv")))
     assert sum(n for n, _ in sizes) < 0.9 * sum(n_flat for _, n_flat in sizes)  # positions were skipped
     assert len(rows[True]) == len(rows[False]) == 6
@@ -391,7 +394,7 @@ def test_drafts_kept_along_training_survive_a_kill_and_equal_an_uninterrupted_ru
     def run_kept(out):
         paths = [out / "curve" / f"point_{i}.safetensors" for i in (1, 2)]
         stats = train_draft(data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "m.csv",
-                            head_path=data["head_path"], config=CONFIG, state_dir=out / ".train_state", device="cpu",
+                            head_path=data["head_path"], settings=train_settings(CONFIG), state_dir=out / ".train_state",
                             progress=False, snapshot_paths=paths)
         return stats, paths
 
@@ -428,7 +431,7 @@ def test_a_resume_point_whose_kept_draft_is_gone_is_not_used(data, tmp_path, mon
     paths = [out / "curve" / "point_1.safetensors"]
     interrupted_after_save(data, out, monkeypatch, at_step=4)
     stats = train_draft(data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "m.csv",
-                        head_path=data["head_path"], config=CONFIG, state_dir=out / ".train_state", device="cpu",
+                        head_path=data["head_path"], settings=train_settings(CONFIG), state_dir=out / ".train_state",
                         progress=False, snapshot_paths=paths)
     assert stats["resumed_from"] == 2 and load_checkpoint(paths[0])[3]["step"] == 3
 
@@ -442,7 +445,7 @@ def test_batches_carry_the_loss_plan_of_the_models_runtime(data):
     lengths = [shards.length(k) for k in range(len(shards))]
 
     def first_batch(runtime):
-        loader = batching.BatchLoader(shards, lengths, resolve_config({"batch_tokens": 200}), start=0, count=1, rank=0,
+        loader = batching.BatchLoader(shards, lengths, train_settings({"batch_tokens": 200}), start=0, count=1, rank=0,
                                       world=1, device="cpu", ttt_length=3, embed_table=torch.zeros(100, 8), runtime=runtime)
         try:
             return loader.next()[2]
@@ -454,3 +457,26 @@ def test_batches_carry_the_loss_plan_of_the_models_runtime(data):
     assert "chains" not in first_batch(Runtime(attention="flex", fused_loss=True, skip_unscored=True))["plan"]  # no diag_split
     chained = first_batch(Runtime(attention="flex", diag_split=True, skip_unscored=True))
     assert len(chained["plan"]["chains"]) > 0 and "rows" in chained
+
+
+class _FixedShards:
+    def fingerprint_facts(self):
+        return {"files": [["a", 1, 2]]}
+
+
+@pytest.mark.parametrize("device, changes, expected", [
+    ("cpu", {}, "99b8033c8030564a0c0c134374ab377a38bee8ea1545d0e71efafe71ef24fb80"),
+    ("cuda", {}, "ddb6559bcd30ebac85765b12f168888a298676f2b95a8d32569d5d7070a6f97d"),
+    ("cuda", {"lr": 1e-3, "grad_accum": 4, "kind": "peagle", "intermediate_size": 64},
+     "bd45a75e9e9d5bb7e92a5bd4c40780be54ba13f296de54060e3228116d3d31ea"),
+    ("cpu", {"kind": "dflash"}, "857078a90033f7314636f9b143d6f426d878eeeaf906c4f382959e939af2f1cb"),
+])
+def test_resume_fingerprint_is_the_one_states_were_saved_with(tmp_path, device, changes, expected):
+    """The hash a resume point is saved under (``train._fingerprint``), pinned to the bytes the trainer wrote
+    before its settings became typed (the training config dict): a state saved by an earlier version resumes.
+    Two processes, the default settings, resolved for the device (an H100's capability: FP8 on CUDA)."""
+    (tmp_path / "vocab").write_bytes(b"vocab")
+    (tmp_path / "head").write_bytes(b"h" * 10)
+    os.utime(tmp_path / "head", ns=(1_700_000_000_000_000_000,) * 2)
+    settings = resolve_runtime(train_settings(changes), device, capability=(9, 0))
+    assert train._fingerprint(settings, _FixedShards(), tmp_path / "vocab", tmp_path / "head", 2) == expected

@@ -136,7 +136,7 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     from eaglenest.draft.export import export_untrained
     from eaglenest.validation import validate as v
 
-    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft", config={"ttt_length": 3})
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft")
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join(json.dumps({"id": f"h{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
                                for i in range(3)))
@@ -192,7 +192,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     from eaglenest.draft.vllm_format import kind_of
     from eaglenest.validation import validate as v
 
-    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft", config={"ttt_length": 3})
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft")
     config = json.loads((tmp_path / "draft/config.json").read_text())
     for name, extra in (("peagle", {"parallel_drafting": True, "mask_token_id": 5, "fc_norm": False, "norm_output": False}),
                         ("dflash", {"block_size": 8, "num_hidden_layers": 1, "dflash_config": {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [0, 1, 2]}})):

@@ -9,9 +9,10 @@ import threading
 import torch
 
 from ..errors import EaglenestError
+from ..settings import TrainSettings
 from ..states.source import StateSource
 from .layers import FLEX_BLOCK
-from .model import Runtime
+from .runtime import Runtime
 from .ttt import token_embeds_ids, ttt_loss_plan
 
 
@@ -19,24 +20,24 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-def batch_padding(cfg):
+def batch_padding(settings: TrainSettings):
     """``(pad_to, fixed_rows)``: the flex path pads T to a multiple of FLEX_BLOCK; compiled, a batch
     also gets ``batch_tokens // T`` rows (empty ones carry no loss), so that there is one shape, and
     one compiled graph, per padded length."""
-    if cfg.get("attention") != "flex":
+    if settings.attention != "flex":
         return 1, False
-    return FLEX_BLOCK, cfg.get("compile") is True
+    return FLEX_BLOCK, settings.compile is True
 
 
-def padded_shape(longest, n_seqs, cfg):
+def padded_shape(longest, n_seqs, settings: TrainSettings):
     """[B, T] of a micro-batch of ``n_seqs`` sequences, the longest ``longest`` tokens long."""
-    pad_to, fixed = batch_padding(cfg)
+    pad_to, fixed = batch_padding(settings)
     T = _round_up(longest, pad_to)
     if not fixed:
         return n_seqs, T
-    rows = max(1, cfg["batch_tokens"] // T)
-    if cfg["batch_size"]:
-        rows = min(rows, cfg["batch_size"])
+    rows = max(1, settings.batch_tokens // T)
+    if settings.batch_size:
+        rows = min(rows, settings.batch_size)
     return max(rows, n_seqs), T
 
 
@@ -62,11 +63,12 @@ def epoch_batches(lengths, epoch, seed, batch_tokens, batch_size=None, window=10
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def micro_batch_stream(lengths, cfg, start=0):
+def micro_batch_stream(lengths, settings: TrainSettings, start=0):
     """Endless ``(epoch, batch)`` over the epochs, from global micro-batch ``start`` on."""
     m, epoch = 0, 0
     while True:
-        batches = epoch_batches(lengths, epoch, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=batch_padding(cfg)[0])
+        batches = epoch_batches(lengths, epoch, settings.seed, settings.batch_tokens, settings.batch_size,
+                                pad_to=batch_padding(settings)[0])
         if m + len(batches) <= start:
             m += len(batches)
         else:
@@ -76,13 +78,13 @@ def micro_batch_stream(lengths, cfg, start=0):
         epoch += 1
 
 
-def load_batch(shards, seq_ids, cfg=None, pin=False):
+def load_batch(shards, seq_ids, settings: TrainSettings | None = None, pin=False):
     """Padded CPU tensors of some sequences: input_ids/loss_mask [B, T], aux [B, T, 3H], last [B, T, H],
-    and target_next [B, T] where the shards have it (B, T: ``padded_shape`` under ``cfg``, else the
+    and target_next [B, T] where the shards have it (B, T: ``padded_shape`` under ``settings``, else the
     sequences and the longest); ``pin``: page-locked, for asynchronous copies to the GPU."""
     items = [shards[k] for k in seq_ids]
     longest = max(len(it["input_ids"]) for it in items)
-    B, T = padded_shape(longest, len(items), cfg) if cfg else (len(items), longest)
+    B, T = padded_shape(longest, len(items), settings) if settings else (len(items), longest)
     def new(*shape, dtype):
         return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
 
@@ -108,14 +110,15 @@ def loss_rows(loss_mask):
 
 
 @torch.no_grad()
-def count_steps(lengths, cfg, world):
-    if cfg["max_steps"]:
-        return int(cfg["max_steps"])
-    epochs = float(cfg["epochs"])  # may be fractional: the last epoch is then partly used
-    pad_to = batch_padding(cfg)[0]
-    counts = [len(epoch_batches(lengths, e, cfg["seed"], cfg["batch_tokens"], cfg["batch_size"], pad_to=pad_to)) for e in range(math.ceil(epochs))]
+def count_steps(lengths, settings: TrainSettings, world):
+    if settings.max_steps:
+        return int(settings.max_steps)
+    epochs = float(settings.epochs)  # may be fractional: the last epoch is then partly used
+    pad_to = batch_padding(settings)[0]
+    counts = [len(epoch_batches(lengths, e, settings.seed, settings.batch_tokens, settings.batch_size, pad_to=pad_to))
+              for e in range(math.ceil(epochs))]
     micro = sum(counts[: int(epochs)]) + (round((epochs - int(epochs)) * counts[-1]) if epochs % 1 else 0)
-    return max(1, micro // (cfg["grad_accum"] * world))
+    return max(1, micro // (settings.grad_accum * world))
 
 
 class BatchLoader:
@@ -130,27 +133,27 @@ class BatchLoader:
     only two batches are on the device at once.
     """
 
-    def __init__(self, shards: StateSource, lengths, cfg, *, start, count, rank, world, device, ttt_length, embed_table,
+    def __init__(self, shards: StateSource, lengths, settings: TrainSettings, *, start, count, rank, world, device, ttt_length, embed_table,
                  runtime: Runtime):
         # runtime: how the model runs the TTT (its resolved settings), which decides the loss plan each batch carries
-        self.shards, self.lengths, self.cfg, self.embed_table, self.runtime = shards, lengths, cfg, embed_table, runtime
+        self.shards, self.lengths, self.settings, self.embed_table, self.runtime = shards, lengths, settings, embed_table, runtime
         self.rank, self.world, self.count, self.ttt_length = rank, world, count, ttt_length
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.staged = None  # the next batch, its copy to the device under way
-        self.stream = micro_batch_stream(lengths, cfg, start=start)
+        self.stream = micro_batch_stream(lengths, settings, start=start)
         # streamed states are fetched in the order this rank reads them (the generator runs only then)
-        shards.follow(self._order(lengths, cfg, start, count, rank, world))
-        self.queue = queue.Queue(maxsize=max(1, int(cfg["prefetch"])))
+        shards.follow(self._order(lengths, settings, start, count, rank, world))
+        self.queue = queue.Queue(maxsize=max(1, int(settings.prefetch)))
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train_draft-loader", daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _order(lengths, cfg, start, count, rank, world):
+    def _order(lengths, settings, start, count, rank, world):
         """The sequence indices this rank's ``count`` micro-batches read, in reading order."""
-        stream = micro_batch_stream(lengths, cfg, start=start)
+        stream = micro_batch_stream(lengths, settings, start=start)
         for _ in range(count):
             for r in range(world):
                 _, seq_ids = next(stream)
@@ -166,7 +169,7 @@ class BatchLoader:
                 continue
 
     def _host_batch(self, seq_ids):
-        batch = load_batch(self.shards, seq_ids, self.cfg, pin=self.on_gpu)
+        batch = load_batch(self.shards, seq_ids, self.settings, pin=self.on_gpu)
         B, T = batch["input_ids"].shape
         ids = token_embeds_ids(batch["input_ids"], self.ttt_length)  # [B, T+J-1]
         H = self.embed_table.shape[1]
@@ -250,12 +253,12 @@ def _tree_map(fn, batch):
     return {k: ({kk: fn(vv) for kk, vv in v.items()} if isinstance(v, dict) else fn(v)) for k, v in batch.items()}
 
 
-def run_shapes(lengths, cfg, start, count, world):
+def run_shapes(lengths, settings: TrainSettings, start, count, world):
     """The padded [B, T] shapes of the micro-batches ``start .. start + count*world``."""
-    shapes, stream = set(), micro_batch_stream(lengths, cfg, start=start)
+    shapes, stream = set(), micro_batch_stream(lengths, settings, start=start)
     for _ in range(count * world):
         _, ids = next(stream)
-        shapes.add(padded_shape(max(lengths[k] for k in ids), len(ids), cfg))
+        shapes.add(padded_shape(max(lengths[k] for k in ids), len(ids), settings))
     return shapes
 
 

@@ -3,7 +3,9 @@ tensors, with its DraftConfig, the target's facts and the run's statistics in th
 training config it was made with. It sits low, so export and the report read a checkpoint without
 importing the trainer."""
 
+import copy
 import json
+from dataclasses import fields
 
 from ..settings import DraftSettings, TrainSettings
 from ..states.target import TargetFacts
@@ -13,22 +15,37 @@ from .dflash import KIND as DFLASH, DFlashConfig
 
 CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
-# The training config's keys and their defaults (the schema's): settings.TrainSettings.config().
-DEFAULTS = TrainSettings.defaults().config()
+
+def train_record(settings: TrainSettings) -> dict:
+    """The training settings as the checkpoint records them (its ``train.config``) and the resume fingerprint
+    hashes them (``train._fingerprint``): flat, every field but where it runs and the stage objects, then the
+    draft's shape keys and its DFlash settings. Its keys and their order are a format: changing them breaks
+    the resume of states saved before."""
+    skip = ("device", "gpus", "nproc", "draft", "hidden")
+    out = {f.name: copy.deepcopy(getattr(settings, f.name)) for f in fields(settings) if f.name not in skip}
+    return {**out, **settings.draft.shape(), "dflash": settings.draft.dflash.fingerprint()}
 
 
-def resolve_config(config):
-    unknown = sorted(set(config or {}) - set(DEFAULTS))
+def settings_with(changes: dict, base: TrainSettings | None = None) -> TrainSettings:
+    """``base`` (None: the schema's defaults) with ``changes``, keyed as ``train_record`` keys them (the
+    benchmarks' and tests' flat overrides): TrainSettings fields, the draft's shape keys, ``dflash`` (a dict
+    of DFlashSettings fields). An unknown key raises, naming the known ones."""
+    base = base or TrainSettings.defaults()
+    changes = dict(changes)
+    unknown = sorted(set(changes) - set(train_record(base)) - {"device"})
     if unknown:
-        raise ValueError(f"unknown training config keys {unknown}; known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **(config or {})}
+        raise ValueError(f"unknown training keys {unknown}; known: {sorted(train_record(base))}")
+    draft = base.draft.replace(**{k: changes.pop(k) for k in list(changes) if k in base.draft.shape()})
+    if "dflash" in changes:
+        draft = draft.replace(dflash=draft.dflash.replace(**changes.pop("dflash")))
+    return base.replace(draft=draft, **changes)
 
 
-def draft_config(info: TargetFacts, draft_vocab_size, cfg) -> DraftConfig | DFlashConfig:
-    """The draft's shape: the target's sizes unless the (resolved) training config overrides them."""
-    if cfg["kind"] == DFLASH:
-        return DFlashConfig.from_target(info, draft_vocab_size, cfg)
-    return DraftConfig.from_target(info, draft_vocab_size, **{k: cfg[k] for k in DraftSettings.defaults().shape()})
+def draft_config(info: TargetFacts, draft_vocab_size, draft: DraftSettings) -> DraftConfig | DFlashConfig:
+    """The draft's shape: the target's sizes unless ``draft`` overrides them."""
+    if draft.kind == DFLASH:
+        return DFlashConfig.from_target(info, draft_vocab_size, draft)
+    return DraftConfig.from_target(info, draft_vocab_size, **draft.shape())
 
 
 def load_checkpoint(path):
@@ -44,7 +61,6 @@ def load_checkpoint(path):
     stored = json.loads(meta["draft_config"])
     config = DFlashConfig.from_dict(stored) if stored.get("kind") == DFLASH else DraftConfig.from_dict(stored)
     return tensors, config, facts, json.loads(meta["train"])
-
 
 
 def save_checkpoint(path, tensors, dcfg: DraftConfig | DFlashConfig, info: TargetFacts, train: dict):

@@ -81,20 +81,20 @@ class DFlashConfig:
             raise ValueError(f"draft.dflash.block_size must be at least 2 (the anchor and one mask), got {self.block_size}")
 
     @classmethod
-    def from_target(cls, info, draft_vocab_size: int, cfg: dict):
-        """The draft of a resolved training config ``cfg`` (its ``dflash`` section, ``mask_token_id`` and the
-        draft's size keys, None: the target's) for the target ``info`` (``target.TargetFacts``)."""
-        dflash, mask = cfg["dflash"], cfg.get("mask_token_id")
+    def from_target(cls, info, draft_vocab_size: int, draft):
+        """The draft of ``draft`` (``settings.DraftSettings``: its ``dflash``, ``mask_token_id`` and size
+        fields, None: the target's) for the target ``info`` (``target.TargetFacts``)."""
+        dflash, mask = draft.dflash, draft.mask_token_id
         if mask is None:
             raise ValueError("draft.kind dflash needs draft.mask_token_id: a token id the target never "
                              "generates, e.g. its pad token (the toy's <pad> is 2; Qwen3's DFlash drafts use 151669)")
-        sizes = {k: cfg[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-                 if cfg.get(k) is not None}
+        sizes = {k: getattr(draft, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                 if getattr(draft, k) is not None}
         return cls(**{"intermediate_size": info.intermediate_size, "num_attention_heads": info.num_attention_heads,
                       "num_key_value_heads": info.num_key_value_heads, "head_dim": info.head_dim, **sizes},
                    hidden_size=info.hidden_size, target_vocab_size=info.vocab_size, draft_vocab_size=draft_vocab_size,
                    target_hidden_size=info.hidden_size, mask_token_id=int(mask),
-                   num_hidden_layers=dflash["num_layers"], block_size=dflash["block_size"],
+                   num_hidden_layers=dflash.num_layers, block_size=dflash.block_size,
                    num_aux_layers=len(info.aux_layers), rms_norm_eps=info.rms_norm_eps,
                    rope_parameters=dict(info.rope_parameters), max_position_embeddings=info.max_position_embeddings)
 

@@ -20,7 +20,7 @@ from ..settings import TrainSettings
 from ..states.target import load_target_head, resolve_device
 from ..util import progress_bar, say
 from .batches import count_steps, load_batch, micro_batch_stream
-from .checkpoint import draft_config, resolve_config, save_checkpoint
+from .checkpoint import draft_config, save_checkpoint, train_record
 from .dflash import DFlashConfig, DFlashDraft, sample_anchors
 from .metrics import Metrics, write_metrics
 from .optim import clip_and_step
@@ -28,38 +28,38 @@ from .train import lr_at, open_states, snapshot_steps
 from .vocab import load_vocab
 
 
-def build_dflash(dcfg: DFlashConfig, cfg, head, d2t, t2d, device) -> DFlashDraft:
+def build_dflash(dcfg: DFlashConfig, settings: TrainSettings, head, d2t, t2d, device) -> DFlashDraft:
     """The draft on ``device``, seeded: the target's embedding installed (and the mask embedding started from
     its row), its head and norm from the target's where ``init_from_target``, lm_head frozen where
     ``freeze_lm_head`` (the peers' DFlash drafts use the target's head as is)."""
-    torch.manual_seed(cfg["seed"])
+    torch.manual_seed(settings.seed)
     model = DFlashDraft(dcfg)
-    init = (head["lm_head.weight"], head["norm.weight"]) if cfg["init_from_target"] else ()
+    init = (head["lm_head.weight"], head["norm.weight"]) if settings.init_from_target else ()
     model.set_target(head["embed_tokens.weight"].float(), d2t, t2d, *init)
-    if cfg["freeze_lm_head"]:
+    if settings.freeze_lm_head:
         model.lm_head.weight.requires_grad_(False)
     return model.to(device)
 
 
-def dflash_step(model: DFlashDraft, opt, params, shards, batches, cfg, lr, generator, device):
+def dflash_step(model: DFlashDraft, opt, params, shards, batches, settings: TrainSettings, lr, generator, device):
     """One optimizer step over ``grad_accum`` micro-batches of ``batches`` (``micro_batch_stream``) -> (epoch,
     the summed loss stats [block_size - 1, 4], the gradient norm, tokens)."""
     for g in opt.param_groups:
         g["lr"] = lr
-    accum, on_gpu = cfg["grad_accum"], device.startswith("cuda")
+    accum, on_gpu = settings.grad_accum, device.startswith("cuda")
     sums = torch.zeros(model.config.block_size - 1, 4, device=device)
     tokens = 0
     for _ in range(accum):
         epoch, seq_ids = next(batches)
         batch = {k: v.to(device) for k, v in load_batch(shards, seq_ids).items()}
-        anchors, valid = sample_anchors(batch["loss_mask"], cfg["dflash_anchors"], generator)
+        anchors, valid = sample_anchors(batch["loss_mask"], settings.dflash_anchors, generator)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
             loss, stats = model.loss(batch["input_ids"], batch["aux_hidden"], batch["target_next"], batch["loss_mask"],
-                                     anchors, valid, cfg["dflash_gamma"])
+                                     anchors, valid, settings.dflash_gamma)
         (loss / accum).backward()
         sums += stats
         tokens += sum(shards.length(k) for k in seq_ids)
-    norm = clip_and_step(opt, params, cfg["clip"])
+    norm = clip_and_step(opt, params, settings.clip)
     opt.zero_grad(set_to_none=True)
     return epoch, sums, norm, tokens
 
@@ -79,39 +79,38 @@ def _open(hidden_paths, vocab_path, head_path, stream):
     return head, info, d2t, t2d, shards
 
 
-def train_dflash(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, config=None, state_dir=None, device=None,
+def train_dflash(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, settings: TrainSettings, state_dir=None,
                  progress=True, stream=None, snapshot_paths=()) -> dict:
-    """``train.train_draft`` for a DFlash draft (``config``'s kind: dflash), with the same arguments and
+    """``train.train_draft`` for a DFlash draft (``settings.draft.kind``: dflash), with the same arguments and
     outputs; ``state_dir`` is unused (no resume yet). Returns a summary."""
-    cfg = resolve_config(config)
     t_start = time.time()
-    device = resolve_device(device or TrainSettings.defaults().device)
+    device = resolve_device(settings.device)
     head, info, d2t, t2d, shards = _open(hidden_paths, vocab_path, head_path, stream)
-    dcfg = draft_config(info, len(d2t), cfg)
-    model = build_dflash(dcfg, cfg, head, d2t, t2d, device)
+    dcfg = draft_config(info, len(d2t), settings.draft)
+    model = build_dflash(dcfg, settings, head, d2t, t2d, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
+    opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     lengths = [shards.length(k) for k in range(len(shards))]
-    total = count_steps(lengths, cfg, 1)
+    total = count_steps(lengths, settings, 1)
     keep = {}
     for s, path in zip(snapshot_steps(total, len(snapshot_paths)), snapshot_paths):
         keep.setdefault(s, []).append(path)
     say(f"train_dflash: {device}, {dcfg.num_hidden_layers} layers, block {dcfg.block_size}, mask token {dcfg.mask_token_id}, "
-        f"{total} steps, lm_head {'frozen' if cfg['freeze_lm_head'] else 'trained'}")
+        f"{total} steps, lm_head {'frozen' if settings.freeze_lm_head else 'trained'}")
     bar = progress_bar(total=total, unit="step", desc="train_dflash", disable=not progress)
-    metrics = Metrics([], {"ttt_length": dcfg.block_size - 1, "ttt_decay": math.exp(-1 / cfg["dflash_gamma"])}, device, bar)
-    batches, generator = micro_batch_stream(lengths, cfg), torch.Generator().manual_seed(cfg["seed"])
+    metrics = Metrics([], dcfg.block_size - 1, math.exp(-1 / settings.dflash_gamma), device, bar)
+    batches, generator = micro_batch_stream(lengths, settings), torch.Generator().manual_seed(settings.seed)
     for step in range(1, total + 1):
-        lr = lr_at(step - 1, cfg, total)
-        epoch, sums, norm, tokens = dflash_step(model, opt, params, shards, batches, cfg, lr, generator, device)
+        lr = lr_at(step - 1, settings, total)
+        epoch, sums, norm, tokens = dflash_step(model, opt, params, shards, batches, settings, lr, generator, device)
         metrics.add(step, epoch, lr, sums, norm, tokens)
-        if step in keep or step % cfg["log_every"] == 0 or step == total:
+        if step in keep or step % settings.log_every == 0 or step == total:
             metrics.flush()
         for path in keep.get(step, []):
-            _save(path, model, dcfg, info, cfg, _stats(metrics, step, total, t_start, model, shards, dcfg))
+            _save(path, model, dcfg, info, settings, _stats(metrics, step, total, t_start, model, shards, dcfg))
     bar.close()
     stats = _stats(metrics, total, total, t_start, model, shards, dcfg)
-    _save(out_path, model, dcfg, info, cfg, stats)
+    _save(out_path, model, dcfg, info, settings, stats)
     write_metrics(metrics_path, metrics.rows)
     say(f"train_dflash: {total} steps, {metrics.tokens} tokens in {stats['seconds']:.1f} s, loss {stats['loss']:.4f}, "
         f"acc@1 {stats['acc'][0]:.3f} acc@{dcfg.block_size - 1} {stats['acc'][-1]:.3f} -> {out_path}")
@@ -127,6 +126,6 @@ def _stats(metrics: Metrics, step, total, t_start, model, shards, dcfg) -> dict:
             "acc": [last[f"acc_{j}"] for j in range(dcfg.block_size - 1)], "sequences": len(shards)}
 
 
-def _save(path, model, dcfg, info, cfg, stats):
+def _save(path, model, dcfg, info, settings, stats):
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    save_checkpoint(path, tensors, dcfg, info, {**stats, "config": cfg})
+    save_checkpoint(path, tensors, dcfg, info, {**stats, "config": train_record(settings)})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..settings import ExportSettings
+from ..settings import DraftSettings, ExportSettings
 from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .dflash import KIND as DFLASH
@@ -150,16 +150,16 @@ def export_dflash(tensors, cfg, info, train, out_dir, speculators_dir, card, dty
     return write_dflash_draft(out_dir, cfg, info, tensors, card, train, dtype)
 
 
-def export_untrained(vocab_path, head_path, out_dir, *, config=None, seed=0, card=None, dtype="bfloat16") -> dict:
-    """Export a randomly initialised draft of the shape ``train_draft`` would make with ``config``
-    (the training config dict): the baseline of the acceptance test. Returns the config."""
+def export_untrained(vocab_path, head_path, out_dir, *, draft=None, seed=0, card=None, dtype="bfloat16") -> dict:
+    """Export a randomly initialised draft of the shape ``train_draft`` would make with ``draft``
+    (``settings.DraftSettings``; None: the schema's): the baseline of the acceptance test. Returns the config."""
     from ..states.target import load_target_head
-    from .checkpoint import draft_config, resolve_config
+    from .checkpoint import draft_config
     from .vocab import load_vocab
 
     head, info = load_target_head(head_path)
     d2t, t2d = load_vocab(vocab_path)
-    cfg = draft_config(info, len(d2t), resolve_config(config))
+    cfg = draft_config(info, len(d2t), draft or DraftSettings.defaults())
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     model.set_target(head["embed_tokens.weight"], d2t, t2d)

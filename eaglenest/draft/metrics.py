@@ -16,8 +16,9 @@ class Metrics:
     ``flush`` reads the steps pending together (every log_every steps: one device sync, not one a
     step)."""
 
-    def __init__(self, rows, cfg, device, bar):
-        self.rows, self.cfg, self.device, self.bar = rows, cfg, device, bar
+    def __init__(self, rows, ttt_length, ttt_decay, device, bar):
+        # ttt_length: the positions each row has losses of; ttt_decay: their weights in the row's loss
+        self.rows, self.ttt_length, self.ttt_decay, self.device, self.bar = rows, ttt_length, ttt_decay, device, bar
         self.pending = []
         self.tokens = 0  # tokens trained by this invocation (not the resumed steps)
         self.t_window, self.last_event = time.time(), None
@@ -33,7 +34,7 @@ class Metrics:
     def flush(self):
         if not self.pending:
             return
-        pending, J = self.pending, self.cfg["ttt_length"]
+        pending, J = self.pending, self.ttt_length
         values = torch.stack([torch.cat([p["sums"].flatten(), p["grad_norm"].reshape(1).float()]) for p in pending]).cpu()
         seconds = time.time() - self.t_window
         window_tokens = sum(p["tokens"] for p in pending)
@@ -45,7 +46,7 @@ class Metrics:
             s, grad_norm = v[:-1].view(J, 4), float(v[-1])
             ce = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
             acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
-            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(self.cfg["ttt_decay"] ** j * c for j, c in enumerate(ce))}
+            row = {"step": p["step"], "epoch": p["epoch"], "lr": p["lr"], "loss": sum(self.ttt_decay ** j * c for j, c in enumerate(ce))}
             row.update({f"loss_{j}": ce[j] for j in range(J)})
             row.update({f"acc_{j}": acc[j] for j in range(J)})
             # tokens/s: on CUDA from events recorded at the end of each step on the compute stream

@@ -38,7 +38,6 @@ one causal pass over the KV cache).
 """
 
 
-import dataclasses
 import functools
 
 import torch
@@ -50,56 +49,10 @@ from .config import DraftConfig
 from .fp8 import weight_casts
 from .layers import DecoderLayer, RMSNorm, project
 from .losses import COD_FLOOR, COD_RATIO, ttt_loss, ttt_loss_fused
+from .runtime import Runtime
 from .ttt import (GatherRows, StepGrads, StepWeights, causal_block_mask, mark_chains_dynamic, parallel_block_mask,
                   parallel_mask, parallel_positions, token_embeds_ids, ttt_block_masks, ttt_chains, ttt_mask)
 from .vllm_format import draft_to_target_ids
-
-
-@dataclasses.dataclass(frozen=True)
-class Runtime:
-    """How the TTT runs: the same model and losses either way. The defaults are the reference path;
-    ``train.resolve_runtime`` picks the device's (on CUDA: the flex path, compiled and fused). A P-EAGLE
-    draft (``Eagle3Draft._parallel``) runs its positions in one layer call on the flex path and as the
-    dense TTT steps on the sdpa path: of these only ``attention``, ``recompute`` and ``fused_loss`` apply."""
-
-    attention: str = "sdpa"
-    """"sdpa": a dense boolean mask, keys concatenated step by step (any device); "flex": fixed-shape
-    steps over a preallocated key buffer with block-sparse flex attention (T a multiple of
-    FLEX_BLOCK; CUDA for speed, CPU works for tests)."""
-    compiled: bool = False
-    """The flex step is one torch.compile'd function (see ``Eagle3Draft._flex_step``)."""
-    recompute: bool = False
-    """Each TTT step's activations are recomputed in backward instead of kept."""
-    fused_loss: bool = False
-    """``ttt_loss_fused`` (lm_head and loss gradient together, no logits kept)."""
-    split_step_grads: bool = False
-    """Each flex TTT step gets its own alias of the weights the steps share, and their gradients are
-    summed in one pass when backward is done (``StepGrads``) instead of autograd adding them into one
-    buffer step by step (6 bf16 adds at TTT 7: benchmarks/RESULTS.md, "Figures moved out of code
-    comments"); costs ttt_length bf16 gradients of the layer at the end of backward. Not under DDP,
-    whose hooks watch the parameters' own gradients."""
-    diag_split: bool = False
-    """Flex path: flex attention over step 0's causal keys only, the later steps' keys (one per
-    query, on the diagonal) merged in elementwise (``Attention.attend_ttt``)."""
-    skip_unscored: bool = False
-    """With diag_split and targets: the later TTT steps (j >= 1) run only at the base positions whose
-    chain still has a scored token ahead (``ttt_chains``): not at prompt or padding positions. Exact:
-    a later step's output at t only feeds its own chain at t."""
-
-    @property
-    def runs_chains(self) -> bool:
-        """The later TTT steps run at the scored chains only: ``skip_unscored`` on the flex path with ``diag_split``
-        (the batches then carry the chains in their loss plan, ``batches.BatchLoader``)."""
-        return self.attention == "flex" and self.diag_split and self.skip_unscored
-
-    @classmethod
-    def from_config(cls, cfg, world=1):
-        """From a ``train.resolve_runtime`` config (its key ``compile`` is ``compiled`` here);
-        ``split_step_grads`` only in a single process (DDP's reducer watches the parameters' own
-        gradients)."""
-        return cls(attention=cfg["attention"], compiled=cfg["compile"], recompute=cfg["recompute"],
-                   fused_loss=cfg["fused_loss"], split_step_grads=cfg["split_step_grads"] and world == 1,
-                   diag_split=cfg["diag_split"], skip_unscored=cfg["skip_unscored"])
 
 
 class Eagle3Draft(nn.Module):
@@ -404,7 +357,7 @@ class Eagle3Draft(nn.Module):
     def _compiled_step(self):
         # fullgraph: a graph break raises instead of silently running part of the step eagerly;
         # dynamic=False: one static graph per batch shape (train.py pads batches to few shapes and
-        # sets the recompile limit to their number, failing loudly past it: train.configure_compile).
+        # sets the recompile limit to their number, failing loudly past it: device.configure_compile).
         if getattr(self, "_step_compiled", None) is None:
             self._step_compiled = torch.compile(self._flex_step, dynamic=False, fullgraph=True)
         return self._step_compiled

@@ -14,7 +14,7 @@ sequences packed end to end along the token axis (T = all kept tokens of the sha
     target_next  int32 [T]       the target's greedy next token (a target-vocabulary id) predicted from
                                  each position: the argmax of ``lm_head(last_hidden)`` there, computed
                                  where the target runs so that training never multiplies by the full
-                                 target vocabulary (``train.target_distribution``); at a sequence's
+                                 target vocabulary (``targets.target_distribution``); at a sequence's
                                  last position it is the token the target would generate next
     seq_offsets  int64 [S + 1]   sequence k is rows ``seq_offsets[k]:seq_offsets[k+1]``
     loss_mask    bool  [T]       True on the assistant's tokens (each turn's completion, reasoning

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tests.support.config import TOY_PROMPTS, TOY_TARGET
+from tests.support.training import train_settings
 
 TOY_AUX = [2, 14, 25]
 TOY_MASK = 2  # the toy's <pad>: never generated
@@ -53,7 +54,7 @@ def train_toy_dflash(states: dict, out: Path) -> Path:
     from eaglenest.draft.export import export_draft
 
     train_dflash(states["hidden_paths"], states["vocab_path"], out / "checkpoint.safetensors", out / "metrics.csv",
-                 head_path=states["head_path"], config=TOY_TRAIN, state_dir=out / "state", device="cpu", progress=False,
+                 head_path=states["head_path"], settings=train_settings(TOY_TRAIN), state_dir=out / "state", progress=False,
                  snapshot_paths=[out / "half.safetensors"])
     export_draft(out / "checkpoint.safetensors", out / "export")
     return out

@@ -38,8 +38,8 @@ def train_on_run(wd: Path, cfg: dict, out: Path, **draft) -> Path:
 
     settings = TrainSettings.from_config(validate_config({**cfg, "draft": {**cfg.get("draft", {}), **draft}}))
     train_draft(sorted(wd.glob("hidden/shard_*.safetensors")), wd / "draft/vocab.safetensors", out / "checkpoint.safetensors",
-                out / "train_metrics.csv", head_path=wd / "hidden/target_head.safetensors", config=settings.config(),
-                state_dir=out / ".train_state", device="cpu", progress=False)
+                out / "train_metrics.csv", head_path=wd / "hidden/target_head.safetensors", settings=settings.replace(device="cpu"),
+                state_dir=out / ".train_state", progress=False)
     export_draft(out / "checkpoint.safetensors", out / "draft", dtype="float32")
     return out / "draft"
 
