@@ -7,8 +7,9 @@ import torch
 
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.config import KINDS
-from eaglenest.draft.export import export_draft, export_untrained, load_exported, write_draft
+from eaglenest.draft.export import export_draft, load_exported, write_draft
 from eaglenest.draft.vllm_format import ARCHITECTURE, FORMATS, flat_config, tensor_shapes, vllm_tensors
+from tests.support.drafts import export_untrained
 from tests.test_model import make_model
 from tests.test_train import run
 

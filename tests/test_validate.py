@@ -133,7 +133,7 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     the target, the target-alone run goes last and scores every run's outputs on its own server before it stops,
     and the report says there is no offline prediction (vLLM itself is faked here: the real server's scores are
     tested against transformers in tests/test_real_server.py)."""
-    from eaglenest.draft.export import export_untrained
+    from tests.support.drafts import export_untrained
     from eaglenest.validation import validate as v
 
     export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft")
@@ -188,7 +188,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     (P-EAGLE with parallel drafting, DFlash with method dflash), measured on the headline cell only, scored for
     losslessness, and set beside this run's draft, n-gram and the target alone in validation.json and the page;
     the matrix keeps this run's runs only (vLLM is faked: the real one in tests/test_formats.py)."""
-    from eaglenest.draft.export import export_untrained
+    from tests.support.drafts import export_untrained
     from eaglenest.draft.vllm_format import kind_of
     from eaglenest.validation import validate as v
 
