@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import field
 from pathlib import Path
 
 import yaml
@@ -48,12 +47,6 @@ def defaults(section: str = "") -> dict:
     for key in filter(None, section.split(".")):
         value = value[key]
     return copy.deepcopy(value)
-
-
-def schema_field(section: str, key: str):
-    """A dataclass field whose default is the schema's `section.key` default (one source of defaults)."""
-    value = defaults(section)[key]
-    return field(default_factory=lambda: copy.deepcopy(value))
 
 
 def _fill_defaults(schema: dict, value):

@@ -26,7 +26,7 @@ from ..gguf import is_gguf
 from ..gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
 from ..serving.settings import ServerConfig
 from ..serving.slurm import SlurmSettings
-from ..serving.slurm import server_gpus as slurm_server_gpus
+from ..serving.slurm import server_job_gpus
 from ..states.preflight import bytes_per_token, target_config
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
@@ -64,11 +64,11 @@ def stage_gpus(config: dict, section: str, has_gpu: bool) -> int:
 
 
 def server_gpus(config: dict) -> int:
-    """GPUs of one server (one replica): under SLURM its job's (serving.slurm.server_gpus); elsewhere
+    """GPUs of one server (one replica): under SLURM its job's (serving.slurm.server_job_gpus); elsewhere
     tensor_parallel_size."""
     s = config["server"]
     if s["mode"] == "slurm":
-        return slurm_server_gpus(ServerConfig.from_dict(s), SlurmSettings.from_dict(s["slurm"]))
+        return server_job_gpus(ServerConfig.from_dict(s), SlurmSettings.from_dict(s["slurm"]))
     return s["tensor_parallel_size"]
 
 

@@ -35,13 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import schema_field
 from ..errors import ConfigError, ServerError
 from ..util import file_in, say, write_atomic
 from .backend import Backend, log_tail, signal_group, watchdog_command
 from .local import guarded_server_command, launch_env, server_command
 from .port import PORT_FILE, read_port_record
-from .settings import ServerConfig, check_model_path
+from .settings import ServerConfig, SlurmSettings, check_model_path
 from .vllm import server_parallel
 
 JOB_PREFIX = "eaglenest-server-"
@@ -52,26 +51,6 @@ NEVER_STARTS = {"PartitionConfig", "PartitionTimeLimit", "PartitionNodeLimit", "
                 "BadConstraints", "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit",
                 "DependencyNeverSatisfied"}
 CANCEL_GRACE_S = 60.0
-
-
-@dataclass
-class SlurmSettings:
-    """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
-
-    partition: str | None = schema_field("server.slurm", "partition")  # the GPU partition (gpu_partition)
-    account: str | None = schema_field("server.slurm", "account")      # None: $SBATCH_ACCOUNT, else none
-    time: str | int = schema_field("server.slurm", "time")             # sbatch --time; an int is minutes
-    cpus: int = schema_field("server.slurm", "cpus")                   # --cpus-per-task of the one task
-    mem: str | int | None = schema_field("server.slurm", "mem")        # --mem (e.g. "200G"; an int is MB)
-    gpus: int | None = schema_field("server.slurm", "gpus")            # --gres=gpu:N; None: the GPUs a server uses
-    extra_sbatch_args: list[str] = schema_field("server.slurm", "extra_sbatch_args")  # e.g. ["--qos=high"]
-    # What the GPU nodes were sized as, for the checks before any job (eaglenest.checks), never sent to sbatch:
-    gpu_type: str | None = schema_field("server.slurm", "gpu_type")    # the GPU, e.g. H200 (gpus.GPU_MEMORY_GIB)
-    node_gpus: int | None = schema_field("server.slurm", "node_gpus")  # GPUs a node has, where sinfo does not say
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "SlurmSettings":
-        return cls(**{k: v for k, v in (d or {}).items() if k in cls.__dataclass_fields__})
 
 
 def gpu_partition(settings: SlurmSettings) -> str | None:
@@ -183,7 +162,7 @@ def check_gpu_partition(settings: SlurmSettings, gpus: int) -> str | None:
             f"set one if that is not where your GPU nodes are")
 
 
-def server_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:
+def server_job_gpus(cfg: ServerConfig, settings: SlurmSettings) -> int:
     """GPUs of the server's job: server.slurm.gpus, else the GPUs one server uses (tensor_parallel_size, times
     any pipeline or data-parallel size in extra_args: serving.vllm.server_parallel)."""
     return math.prod(server_parallel(cfg).values()) if settings.gpus is None else settings.gpus
@@ -297,7 +276,7 @@ def sbatch_command(cfg: ServerConfig, settings: SlurmSettings, paths: SlurmPaths
                    workdir: str | Path | None = None) -> list[str]:
     """sbatch's argument list (the script goes on stdin)."""
     workdir = Path(workdir or os.getcwd()).resolve()
-    gpus, partition = server_gpus(cfg, settings), gpu_partition(settings)
+    gpus, partition = server_job_gpus(cfg, settings), gpu_partition(settings)
     args = ["sbatch", "--parsable", "--job-name", job_name(cfg, paths.log_dir),
             "--output", str(paths.log_pattern.resolve()), "--open-mode=append", "--chdir", str(workdir),
             "--export=ALL", "--nodes=1", "--ntasks=1", f"--cpus-per-task={settings.cpus}",
