@@ -386,3 +386,26 @@ class ExportSettings(Stage):
     def card(self) -> dict:
         """The model card's facts."""
         return {"dataset": self.dataset, "target": self.target, "license": self.license}
+
+
+@dataclass(frozen=True)
+class PlanSettings(Stage):
+    """The plan and the checks before any job (eaglenest.plan, eaglenest.checks): the `plan:` section's stand-ins
+    and rates, and the keys they read that no stage holds as a field of its own. No job reads them."""
+
+    hidden_size: int | None = setting("plan.hidden_size")  # the target's, until its config.json is here
+    weights_gb: float | None = setting("plan.weights_gb")  # the target's weights, until they are here
+    generate_tokens_per_s: float | None = setting("plan.generate_tokens_per_s")
+    decode_tokens_per_s: float | None = setting("plan.decode_tokens_per_s")
+    extract_tokens_per_s: float | None = setting("plan.extract_tokens_per_s")
+    train_tokens_per_s: float | None = setting("plan.train_tokens_per_s")
+    server_start_s: float = setting("plan.server_start_s")
+    # dataset.max_turns and dataset.max_context_tokens: 1 and none in configs from before conversations
+    max_turns: int = setting(lambda c: c["dataset"].get("max_turns", 1), reads=("dataset.max_turns",))
+    max_context_tokens: int | None = setting(lambda c: c["dataset"].get("max_context_tokens"),
+                                             reads=("dataset.max_context_tokens",))
+    validate_gpus: int | None = setting("validate.gpus")
+    validate_max_tokens: int | None = setting("validate.max_tokens")  # None: generation.max_tokens
+    validate_concurrency: int = setting("validate.concurrency")
+    temperatures: list = setting("validate.temperatures")
+    matrix_prompts: int | None = setting("validate.matrix_prompts")

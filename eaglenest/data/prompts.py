@@ -629,12 +629,12 @@ def prepare_prompts(out_dir, settings: PromptSettings | None = None, *, progress
 PROMPT_KEYS = ("seed", "limit", "keep_system", "max_prompt_chars", "columns")  # what else makes stats.json's counts
 
 
-def same_prompts(made: dict, config: dict) -> bool:
-    """Whether data/prompts/stats.json (``made``) was made from this config's dataset and settings."""
-    d, path = config["dataset"], dataset_path(config)
-    made = {"columns": dict.fromkeys(d["columns"]), **made}  # stats written before dataset.columns: all guessed
+def same_prompts(made: dict, settings: PromptSettings) -> bool:
+    """Whether data/prompts/stats.json (``made``) was made from this run's dataset and settings."""
+    path = settings.path
+    made = {"columns": dict.fromkeys(settings.columns), **made}  # stats written before dataset.columns: all guessed
     return (made.get("path") in (path, str(Path(path).expanduser().resolve()))
-            and all(made.get(k) == d[k] for k in PROMPT_KEYS))
+            and all(made.get(k) == getattr(settings, k) for k in PROMPT_KEYS))
 
 
 def _longest(ordered) -> dict:
