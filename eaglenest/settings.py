@@ -11,7 +11,7 @@ rewrites, what follows). A field declared ``reruns=False`` (where a job runs, ti
 is read by the stage but never reruns it.
 
 Adding a setting takes two places: the schema (type, default, description) and one field here.
-The generation server's settings are ``serving.settings.ServerConfig`` (the same pattern); this
+The generation server's settings are ``serving.settings.ServerConfig`` and ``SlurmSettings`` (Stages too); this
 module sits on the ground of the import graph and imports no stage package.
 docs/settings.md says which stage reads which section."""
 

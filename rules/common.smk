@@ -14,7 +14,7 @@ from eaglenest.data.prompts import QUESTIONS_FILE
 from eaglenest.plan import RunSettings, stage_gpus
 from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.settings import forget_run_key
-from eaglenest.serving.slurm import gpu_partition
+from eaglenest.serving.slurm_cluster import gpu_partition
 from eaglenest.settings import FetchSettings
 from eaglenest.workflow import (cluster_executor, config_sources, convert_gguf_targets, job_environment, preflight,
                                 profile_runtime_minutes, read_config)

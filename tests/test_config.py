@@ -62,7 +62,7 @@ def test_every_schema_default_reaches_the_code_unchanged():
     from eaglenest.validation import validate
     from eaglenest.config import defaults
     from eaglenest.serving.settings import ServerConfig
-    from eaglenest.serving.slurm import SlurmSettings
+    from eaglenest.serving.settings import SlurmSettings
 
     resolved = validate_config({})
     assert defaults() == resolved

@@ -16,7 +16,8 @@ from eaglenest.config import defaults, load_schema, resolve_shipped_paths, valid
 from eaglenest.errors import ConfigError
 from eaglenest.gguf import is_gguf
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
+from eaglenest.serving.settings import SlurmSettings
+from eaglenest.serving.slurm_jobs import SlurmPaths, sbatch_command
 from eaglenest.settings import HiddenSettings, lookup
 from eaglenest.states.preflight import check_logits_memory, preflight_logits_memory, target_vocab_size
 

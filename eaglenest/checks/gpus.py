@@ -4,18 +4,15 @@ for against the partition's, and the target's weights against one server's GPUs.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..gpus import GPU_MEMORY_GIB, known_gpu, machine_gpus
 from ..plan import RunSettings, server_gpus, stage_gpus
 from ..plan.run import section_gpus
-from ..serving.slurm import check_gpu_partition, partition_nodes, sinfo_nodes
+from ..serving.slurm_cluster import check_gpu_partition, partition_nodes, sinfo_nodes
 from ..serving.vllm import server_parallel
 from ..states.preflight import gpu_memory_gib, weights_bytes
-
-if TYPE_CHECKING:
-    from .review import Review
+from .review import Review
 
 
 def parallel_text(sizes: dict) -> str:
@@ -146,7 +143,7 @@ def check_weights(run: RunSettings, need: int, nodes) -> tuple[str | None, str |
 
 def check_gpus(run: RunSettings, has_gpu: bool, review: Review) -> None:
     """The GPU checks: a server's GPUs against its jobs', every job's against a node's, the GPU type; where
-    server.mode slurm, the GPU partition itself (serving.slurm.check_gpu_partition)."""
+    server.mode slurm, the GPU partition itself (serving.slurm_cluster.check_gpu_partition)."""
     sizes = server_parallel(run.server)
     need = math.prod(sizes.values())
     review.add(*check_server_gpus(run, need, sizes))

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..data.prompts import columns_refusal, is_local_dataset
 from ..errors import ConfigError
 from ..plan import RunSettings, human_bytes
-from ..serving.slurm import slurm_time_ok
+from ..serving.slurm_cluster import slurm_time_ok
 from ..states.preflight import STREAM_CACHE_DIR, preflight_logits_memory, states_file_bytes
 
 
@@ -120,7 +120,7 @@ def check_stream_disk(run: RunSettings, plan, workdir: Path) -> list[str]:
 
 
 def check_slurm_time(run: RunSettings) -> str | None:
-    """server.slurm.time in a form sbatch takes (serving.slurm.SLURM_TIME): sbatch refuses any other at submission."""
+    """server.slurm.time in a form sbatch takes (serving.slurm_cluster.SLURM_TIME): sbatch refuses any other at submission."""
     value = run.slurm.time
     if run.server.mode != "slurm" or slurm_time_ok(value):
         return None

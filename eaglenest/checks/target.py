@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..data.prompts import same_prompts
 from ..plan import RunSettings
 from ..states.preflight import target_config
 from ..util import is_local_path
 from ..vllm_facts import NO_AUX_ID_0_MODEL_TYPES, check_aux_layers, default_aux_layers
-
-if TYPE_CHECKING:
-    from .review import Review
+from .review import Review
 
 
 def find_target_config(model: str, workdir: Path) -> dict | None:
@@ -163,7 +160,7 @@ def _prompt_tokens(messages, model: str, template_kwargs, workdir: Path, stats: 
     import hashlib
     import json
 
-    from .util import write_atomic
+    from ..util import write_atomic
 
     key = hashlib.sha256(json.dumps([stats.read_text(), model, template_kwargs], default=str).encode()).hexdigest()
     cache = stats.with_name("longest_prompt.tokens.json")
@@ -176,7 +173,7 @@ def _prompt_tokens(messages, model: str, template_kwargs, workdir: Path, stats: 
     try:
         from transformers import AutoTokenizer
 
-        from .states.target import chat_prompt_ids
+        from ..states.target import chat_prompt_ids
 
         local = workdir / model
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)

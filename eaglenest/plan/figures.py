@@ -1,24 +1,45 @@
-"""The plan's figures (``make_plan``): the prompts and the answers each costs, the tokens, the hidden states' disk,
-the GPUs each stage holds, each stage's time (eaglenest.plan.times) and validation's."""
+"""The plan's figures (``Plan``, which ``make_plan`` fills): the prompts and the answers each costs, the measured
+trace rate, validation's time, and the units the plan writes them in."""
 
 from __future__ import annotations
 
 import json
-import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..config import matrix_temperatures
 from ..data.prompts import same_prompts
-from ..states.preflight import bytes_per_token
 from .run import RunSettings
-from .target import assumed_generation, dataset_rows, target_hidden_size, target_weights
-from .text import human_bytes
-from .times import stage_hours, stage_plan
+from .target import dataset_rows
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def human_seconds(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
+
+
+class StageTime(NamedTuple):
+    """One stage's time: it holds ``gpus`` GPUs for ``seconds`` (None: not estimated), of which ``overlap_s`` run
+    during another stage (stream mode's extraction server, during training) and add nothing to the wall time."""
+    seconds: float | None
+    gpus: int
+    how: str
+    overlap_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float | None:
+        return None if self.seconds is None else self.seconds - self.overlap_s
 
 
 @dataclass
@@ -185,36 +206,3 @@ def answers_per_prompt(run: RunSettings, measured: dict | None) -> tuple[float, 
     if q.questions:
         return min(max_turns, q.turns), f"dataset.generate.turns {q.turns}, dataset.max_turns {max_turns}: at most"
     return max_turns, "dataset.max_turns: at most"
-
-
-def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = None) -> Plan:
-    """The plan of a resolved config (schema defaults filled in) in working directory ``workdir``: its settings are
-    read once, as each stage's (RunSettings)."""
-    run, workdir = RunSettings.from_config(config), Path(workdir)
-    has_gpu = bool(shutil.which("nvidia-smi")) if has_gpu is None else has_gpu
-    s, g, h = run.server, run.generation, run.hidden
-    prompts, source = training_prompts(run, workdir)
-    measured = measured_rate(workdir, prompts, answers_fingerprint(run))
-    turns, turns_source = answers_per_prompt(run, measured)
-    # a conversation's sequence grows turn by turn: each turn's prompt and answer at most
-    per_turn = run.prompts.max_prompt_chars + g.max_tokens
-    limits = [h.max_length, s.max_model_len, run.plan.max_context_tokens,
-              per_turn * max(1, math.ceil(turns))]
-    seq = min(x for x in limits if x)
-    hidden_size, hsource = target_hidden_size(run)
-    # each answer's chain its own sequence at most (a template that re-renders earlier answers otherwise)
-    requests = math.ceil(prompts * turns) if prompts is not None else None
-    state_tokens = requests * seq if requests is not None else None
-    free = shutil.disk_usage(workdir if workdir.exists() else ".").free
-    plan = Plan(prompts=prompts, prompts_source=source, max_tokens=g.max_tokens, turns=turns, turns_source=turns_source,
-                requests=requests, sequence_tokens=seq,
-                generated_tokens=requests * g.max_tokens if requests is not None else None,
-                state_tokens=state_tokens, hidden_size=hidden_size, hidden_size_source=hsource,
-                files_bytes=state_tokens * bytes_per_token(hidden_size) if state_tokens and hidden_size else None,
-                stream_bytes=int(h.max_disk_gb * 1e9), free_bytes=free, mode=h.mode,
-                replicas=s.replicas, server_mode=s.mode, measured=measured, validation=validation_time(run))
-    plan.weights_bytes, plan.weights_source = target_weights(run)
-    plan.assumed = assumed_generation(run, plan.weights_bytes, has_gpu)
-    plan.gpus = stage_plan(run, has_gpu)
-    plan.stages = stage_hours(run, plan, has_gpu)
-    return plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..serving.settings import ServerConfig, SlurmSettings
-from ..serving.slurm import server_job_gpus
+from ..serving.slurm_jobs import server_job_gpus
 from ..settings import (DraftSettings, ExportSettings, GenerationSettings, HiddenSettings, PlanSettings, PromptSettings,
                         QuestionSettings, TrainSettings, ValidateSettings)
 
@@ -44,7 +44,7 @@ def gpus_text(n: int) -> str:
 
 
 def server_gpus(run: RunSettings) -> int:
-    """GPUs of one server (one replica): under SLURM its job's (serving.slurm.server_job_gpus); elsewhere
+    """GPUs of one server (one replica): under SLURM its job's (serving.slurm_jobs.server_job_gpus); elsewhere
     tensor_parallel_size."""
     if run.server.mode == "slurm":
         return server_job_gpus(run.server, run.slurm)

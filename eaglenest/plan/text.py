@@ -3,30 +3,13 @@ GPU-hours, and the run's total."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..states.preflight import bytes_per_token
+from .figures import Plan, StageTime, human_bytes, human_seconds
 from .run import gpus_text
 from .target import GPU_BANDWIDTH_TBS, MIN_STEP_S, STEP_PER_WEIGHT_READ
 
-if TYPE_CHECKING:
-    from .figures import Plan
-    from .times import StageTime
-
 # A trace on disk, a token: its id in JSON (up to 7 B with the comma) and its text (about 4 B).
 TRACE_BYTES_PER_TOKEN = 12
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return ""
-
-
-def human_seconds(s: float) -> str:
-    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
 
 
 def format_plan(p: Plan) -> str:

@@ -3,25 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
+from .figures import Plan, StageTime
 from .run import RunSettings, gpus_text, server_gpus, stage_gpus
-
-if TYPE_CHECKING:
-    from .figures import Plan
-
-
-class StageTime(NamedTuple):
-    """One stage's time: it holds ``gpus`` GPUs for ``seconds`` (None: not estimated), of which ``overlap_s`` run
-    during another stage (stream mode's extraction server, during training) and add nothing to the wall time."""
-    seconds: float | None
-    gpus: int
-    how: str
-    overlap_s: float = 0.0
-
-    @property
-    def wall_s(self) -> float | None:
-        return None if self.seconds is None else self.seconds - self.overlap_s
 
 
 def stage_hours(run: RunSettings, plan: Plan, has_gpu: bool) -> dict:

@@ -30,7 +30,7 @@ RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 class SlurmSettings(Stage):
     """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
 
-    partition: str | None = setting("server.slurm.partition")  # the GPU partition (serving.slurm.gpu_partition)
+    partition: str | None = setting("server.slurm.partition")  # the GPU partition (serving.slurm_cluster.gpu_partition)
     account: str | None = setting("server.slurm.account")      # None: $SBATCH_ACCOUNT, else none
     time: str | int = setting("server.slurm.time")             # sbatch --time; an int is minutes
     cpus: int = setting("server.slurm.cpus")                   # --cpus-per-task of the one task
