@@ -31,7 +31,7 @@ try:
     read_config(config, CONFIG_SOURCES, workflow.basedir, main=workflow.is_main_process, log=log)
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
-GGUF_SOURCES = convert_gguf_targets(config)  # {models/<name> (rule convert_target's output): the GGUF file}
+GGUF_SOURCES = convert_gguf_targets(config)  # the GGUF file of each directory convert_target writes
 if GGUF_SOURCES and workflow.is_main_process:
     log("; ".join(f"{src} is converted to {d} (rule convert_target)" for d, src in GGUF_SOURCES.items()))
 
