@@ -20,9 +20,9 @@ from .gpus import check_gpus
 from .review import Review
 from .settings_checks import (check_columns, check_datasets, check_drafts, check_local_server, check_logits_room,
                               check_slurm_time, check_stream_disk, check_stream_mode, check_ttt)
-from .target import check_target, fetch_config, find_target_config
+from .target import check_target, fetch_config
 
-__all__ = ["Review", "check_config", "fetch_config", "find_target_config", "review_config"]
+__all__ = ["Review", "check_config", "fetch_config", "review_config"]
 
 
 def review_config(config: dict, plan, workdir: str | Path = ".", *, has_gpu: bool = False, executor: str | None = None,

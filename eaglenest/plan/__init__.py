@@ -22,12 +22,12 @@ from pathlib import Path
 from ..states.preflight import bytes_per_token
 from .figures import (Plan, StageTime, answers_fingerprint, answers_per_prompt, human_bytes, human_seconds,
                       measured_rate, training_prompts, validation_refusal, validation_time)
-from .run import RunSettings, gpus_text, server_gpus, stage_gpus
+from .run import RunSettings, server_gpus, stage_gpus
 from .target import assumed_generation, target_hidden_size, target_weights
 from .text import format_plan
 from .times import stage_hours, stage_plan
 
-__all__ = ["Plan", "RunSettings", "StageTime", "answers_fingerprint", "format_plan", "gpus_text", "human_bytes",
+__all__ = ["Plan", "RunSettings", "StageTime", "answers_fingerprint", "format_plan", "human_bytes",
            "human_seconds", "make_plan", "server_gpus", "stage_gpus", "target_hidden_size", "target_weights",
            "validation_refusal"]
 
