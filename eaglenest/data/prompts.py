@@ -259,7 +259,7 @@ def conversation(row: dict, column: str, keep_system: bool, max_turns: int) -> t
                 raise RowError("malformed", f"{column}[{i}] is a second assistant turn in a row")
             slot = {"role": "assistant"}
             if turn.get("tool_calls"):
-                slot["tool_calls"] = turn["tool_calls"]
+                slot["tool_calls"] = _without_nulls(turn["tool_calls"])
             messages.append(slot)
             slots += 1
         elif role == "tool":
@@ -305,7 +305,17 @@ def _tools(row: dict):
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RowError("malformed", f"tools is a {type(tools).__name__}, not a list of tool objects")
-    return tools
+    return _without_nulls(tools)
+
+
+def _without_nulls(value):
+    """Tools and tool calls without null members: a table (parquet, datasets' Arrow) gives every object of a
+    column all the keys any has, the missing ones null, and a JSON schema has no null members."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _from_text(row: dict, column: str, keep_system: bool) -> list[dict]:
@@ -430,7 +440,7 @@ def _why(e: BaseException) -> str:
 
 def _dataset_rows(ds, mapped=()):
     """Rows of a datasets.Dataset, reading only the columns this stage uses (``mapped``: those dataset.columns names)."""
-    wanted = [c for c in ds.column_names if c in dict(COLUMNS) or c in (*SYSTEM_COLUMNS, "input", "source", *mapped)]
+    wanted = [c for c in ds.column_names if c in dict(COLUMNS) or c in (*SYSTEM_COLUMNS, "input", "source", "tools", *mapped)]
     ds = ds.select_columns(wanted)
 
     def rows():
