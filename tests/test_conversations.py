@@ -204,26 +204,38 @@ def _turn_lines(partial):
     return [x for x in lines if "turn_of" in x], {x["id"] for x in lines if "id" in x}
 
 
+def _mid_conversation(partial):
+    """Whether the partial file holds a finished conversation and the turns of one not finished."""
+    turns, finished = _turn_lines(partial)
+    return bool(finished) and any(t["turn_of"] not in finished for t in turns)
+
+
 def test_kill_9_mid_conversation_then_rerun_asks_every_turn_once(toy_server, tmp_path):
     cfg, _ = toy_server
     url = cfg.url_at(cfg.port)
     rows = [{"id": f"c{i}", **chat(f"What is {i} + 1?", "a", f"And {i} + 2?", "b", f"And {i} + 3?", "c")}
-            for i in range(6)]
+            for i in range(4)]
     _, prompts = _prepare(tmp_path, rows, max_turns=3)
     shard = _shard(tmp_path / "prompts.jsonl", prompts.values())
     out = tmp_path / "traces/shard_0.jsonl"
-    generation = {**GENERATION, "concurrency": 1}
+    generation = {**GENERATION, "concurrency": 2}
     client = subprocess.Popen([sys.executable, "-c", CLIENT, str(shard), str(out), url, json.dumps(generation),
                                json.dumps(LIMITS)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
-    mid = None
+    mid, size = None, 0
     while mid is None and time.monotonic() < deadline and client.poll() is None:
         for partial in (tmp_path / "traces/partial").glob("*.partial.jsonl"):
-            turns, finished = _turn_lines(partial)
-            # a conversation past its second turn (and one finished before it): killed mid-conversation
-            if finished and any(t["turn"] == 1 and t["turn_of"] not in finished for t in turns):
+            if partial.stat().st_size == size:
+                continue  # read it again once a line was added (the toy server shares the CPU with this loop)
+            size = partial.stat().st_size
+            if not _mid_conversation(partial):
+                continue
+            client.send_signal(signal.SIGSTOP)  # frozen, then checked again: a short answer may have ended it
+            if _mid_conversation(partial):
                 mid = partial
-        time.sleep(0.005)
+                break
+            client.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
     client.send_signal(signal.SIGKILL)
     client.wait()
     assert mid is not None and not out.exists(), "the kill did not land mid-conversation"
@@ -242,4 +254,4 @@ def test_kill_9_mid_conversation_then_rerun_asks_every_turn_once(toy_server, tmp
         turn = records[t["turn_of"]]["turns"][t["turn"]]
         assert turn["prompt_token_ids"] == t["prompt_token_ids"]
         assert turn["completion_token_ids"] == t["completion_token_ids"]
-    assert stats["conversations"] == {"records": 6, "turns": 18, "turns_dropped": 0, "ended": {"done": 6}}
+    assert stats["conversations"] == {"records": 4, "turns": 12, "turns_dropped": 0, "ended": {"done": 4}}
