@@ -91,7 +91,7 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     shard = stem(output_path)
     prompts = read_prompt_shard(prompts_path)
     conversation = _conversation_settings(conversation)
-    fp = fingerprint(model, gen, conversation if any(map(is_conversation, prompts)) else None)
+    fp = _shard_fingerprint(model, gen, conversation, prompts)
     partial_dir = Path(partial_dir) if partial_dir is not None else output_path.parent / "partial"
     files = _ShardFiles(
         output=output_path,
@@ -101,8 +101,13 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     )
     run = _ShardRun(shard=shard, prompts=prompts, files=files,
                     servers=[_Server(u) for u in dict.fromkeys(_base_url(u) for u in urls)], model=model, gen=gen,
-                    api_key=api_key, progress=progress, conversation=conversation, fingerprint=fp)
+                    api_key=api_key, progress=progress, conversation=conversation)
     return asyncio.run(run.main())
+
+
+def _shard_fingerprint(model, gen, conversation, prompts):
+    """The fingerprint of a shard's partial file: the conversation limits count where it holds conversations."""
+    return fingerprint(model, gen, conversation if any(map(is_conversation, prompts)) else None)
 
 
 def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers", progress=False, conversation=None):
@@ -214,8 +219,7 @@ class _ShardRun:
     """One run over a shard's prompts: ``gen`` (``_generation_settings``) says how to ask ``model`` on the
     ``servers`` (``_Server``) and how many failures the shard bears (``max_error_fraction``)."""
 
-    def __init__(self, *, shard, prompts, files: _ShardFiles, servers, model, gen, api_key, progress, conversation,
-                 fingerprint=None):
+    def __init__(self, *, shard, prompts, files: _ShardFiles, servers, model, gen, api_key, progress, conversation):
         self.shard = shard
         self.prompts = prompts
         self.files = files
@@ -225,7 +229,7 @@ class _ShardRun:
         self.retry = RetryPolicy.from_settings(gen)
         self.api_key = api_key
         self.conversation = conversation  # {max_turns, max_context_tokens}
-        self.fingerprint = fingerprint or globals()["fingerprint"](model, gen)
+        self.fingerprint = _shard_fingerprint(model, gen, conversation, prompts)
         self.progress = progress
         self.max_errors = int(gen["max_error_fraction"] * len(prompts))
         self.body_head, self.body_tail = _request_body(model, gen)
