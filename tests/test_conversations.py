@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from eaglenest.data.conversations import ENDINGS, assistant_message, request_messages
+from eaglenest.data.conversations import ENDINGS, assistant_message, ending, request_messages
 from eaglenest.data.prompts import prepare_prompts, read_prompt_shard, summary
 from eaglenest.data.traces import fingerprint, generate_shard
 from eaglenest.settings import PromptSettings
@@ -181,6 +181,33 @@ def test_the_data_tool_result_answers_the_targets_own_call(traces):
     assert r["messages"][1]["tool_calls"] == [call] and r["messages"][1]["reasoning_content"]
     assert r["messages"][2] == {"role": "tool", "tool_call_id": call["id"], "content": "3"}  # the target's id
     assert r["tools"] == [ADD] and r["turns"][0]["finish_reason"] == "tool_calls"
+
+
+def _answer(*names, truncated=False):
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": n, "arguments": "{}"}} for n in names]
+    return {"prompt_token_ids": [0], "completion_token_ids": [1], "reasoning": None, "content": None if names else "x",
+            "tool_calls": calls or None, "finish_reason": "length" if truncated else "stop", "truncated": truncated,
+            "usage": None}
+
+
+def test_where_a_conversation_ends_given_the_targets_answers():
+    slot = {"role": "assistant", "tool_calls": [{**_answer("add")["tool_calls"][0], "id": "call_data"}]}
+    tool = {"messages": [{"role": "user", "content": "q"}, slot, {"role": "tool", "tool_call_id": "call_data",
+                                                                  "content": "3"}, {"role": "assistant"}]}
+    assert ending(tool, [], 4) is None
+    assert ending(tool, [_answer("add")], 4) is None  # the data's result fits the target's call
+    assert ending(tool, [_answer()], 4) == "tool_mismatch"  # no call where the data has a result
+    assert ending(tool, [_answer("mul")], 4) == "tool_mismatch"  # another function
+    assert ending(tool, [_answer("add", "add")], 4) == "tool_mismatch"  # more calls than the data answers
+    assert ending(tool, [_answer("add", truncated=True)], 4) == "truncated"
+    assert ending(tool, [_answer("add")], 1) == "max_turns"
+    assert ending(tool, [_answer("add"), _answer()], 4) == "done"
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}, {"role": "user", "content": "r"},
+                         {"role": "assistant"}]}
+    assert ending(chat, [_answer("add")], 4) == "tool_mismatch"  # a call the data goes on without answering
+    assert ending(chat, [_answer()], 4) is None and ending(chat, [_answer(), _answer("add")], 4) == "done"
+    # the data's result answers the target's call under the target's id
+    assert request_messages(tool, [_answer("add")])[2] == {"role": "tool", "tool_call_id": "call_add", "content": "3"}
 
 
 def test_limits_name_the_partial_file_of_conversations_only():
