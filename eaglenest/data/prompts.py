@@ -282,8 +282,10 @@ def conversation(row: dict, column: str, keep_system: bool, max_turns: int) -> t
     return messages, tools, dropped
 
 
-def is_conversation(messages: list[dict], tools) -> bool:
-    """Whether kept messages are a conversation's (``conversation``), not a single question's."""
+def _asks_turns(messages: list[dict], tools) -> bool:
+    """Whether ``conversation``'s messages ask more than a single question would (several slots, tool calls
+    or tools): then they are the record's; else the question alone is (conversations.is_conversation reads
+    the record)."""
     return bool(tools) or sum(m["role"] == "assistant" for m in messages) > 1 \
         or any("tool_calls" in m for m in messages)
 
@@ -614,7 +616,7 @@ def _row_messages(row, cols: Columns, keep_system, max_prompt_chars, seen, max_t
     if cols.kind == "turns":
         if max_turns > 1:
             turns, tools, dropped = conversation(row, cols.column, keep_system, max_turns)
-            if is_conversation(turns, tools):
+            if _asks_turns(turns, tools):
                 messages = turns
             else:
                 tools = None
@@ -657,7 +659,7 @@ def _select(rows, n_rows, cols: Columns, path, *, keep_system, max_prompt_chars,
         record = {"id": pid, "source": source, "messages": messages}
         if tools:
             record["tools"] = tools
-        conversations += is_conversation(messages, tools)
+        conversations += _asks_turns(messages, tools)
         line = json.dumps(record, ensure_ascii=False)
         key = shuffle_key(seed, pid)
         if cap is None:
