@@ -33,12 +33,18 @@ TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too lo
 
 def is_conversation(prompt: dict) -> bool:
     """Whether a prompt record is a conversation's (prompts.conversation) rather than a single question's."""
-    return bool(prompt.get("tools")) or any(m["role"] == "assistant" for m in prompt["messages"])
+    return bool(prompt.get("tools")) or any(is_slot(m) for m in prompt["messages"])
+
+
+def is_slot(message: dict) -> bool:
+    """An assistant turn the target answers: one without content. An assistant turn with content is a fixed
+    part of the conversation (validation's turn 2 carries the target alone's own first answer so)."""
+    return message["role"] == "assistant" and "content" not in message
 
 
 def slots(messages: list[dict]) -> list[int]:
     """The indexes of the assistant slots in a conversation's messages."""
-    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [i for i, m in enumerate(messages) if is_slot(m)]
 
 
 def assistant_message(turn: dict) -> dict:
@@ -57,7 +63,7 @@ def regenerated(prompt: dict, turns: list[dict]) -> list[dict]:
     not answered: the data's tool results answer the target's calls, by the data's call id, else in order."""
     out, answered, ids, calls, n_results = [], 0, {}, [], 0
     for m in prompt["messages"]:
-        if m["role"] == "assistant":
+        if is_slot(m):
             if answered == len(turns):
                 break
             turn = turns[answered]
