@@ -100,6 +100,7 @@ class PromptSettings(Stage):
     seed: int = setting("dataset.seed")
     keep_system: bool = setting("dataset.keep_system")
     max_prompt_chars: int = setting("dataset.max_prompt_chars")
+    max_turns: int = setting("dataset.max_turns")  # assistant turns of a conversation kept; the user turns past them dropped
     columns: dict = setting("dataset.columns")  # the columns of the question and the id (None each: guessed)
     shards: int = setting("shards")
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)  # where datasets caches, not what it reads
@@ -154,6 +155,9 @@ class GenerationSettings(Stage):
     seed: int | None = setting("generation.seed")
     chat_template_kwargs: dict | None = setting("generation.chat_template_kwargs")
     extra_body: dict | None = setting("generation.extra_body")
+    # where a conversation's regeneration ends (eaglenest.data.conversations)
+    max_turns: int = setting("dataset.max_turns")
+    max_context_tokens: int | None = setting("dataset.max_context_tokens")
     concurrency: int = setting("generation.concurrency", reruns=False)
     request_timeout: float = setting("generation.request_timeout", reruns=False)
     max_retries: int = setting("generation.max_retries", reruns=False)
@@ -162,8 +166,18 @@ class GenerationSettings(Stage):
     max_error_fraction: float = setting("generation.max_error_fraction", reruns=False)
 
     def section(self) -> dict:
-        """The `generation:` section as the trace client reads it (a dict, without the model)."""
-        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "model"}
+        """The `generation:` section as the trace client reads it (a dict, without the model and the
+        conversation limits)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+                if f.name not in ("model", *CONVERSATION_KEYS)}
+
+    def conversation(self) -> dict:
+        """The conversation limits as the trace client reads them: {max_turns, max_context_tokens}."""
+        return {k: getattr(self, k) for k in CONVERSATION_KEYS}
+
+
+# GenerationSettings' fields from dataset: that end a conversation's regeneration.
+CONVERSATION_KEYS = ("max_turns", "max_context_tokens")
 
 
 # The generation server's keys that change the states the vLLM extraction server computes.
@@ -400,10 +414,6 @@ class PlanSettings(Stage):
     extract_tokens_per_s: float | None = setting("plan.extract_tokens_per_s")
     train_tokens_per_s: float | None = setting("plan.train_tokens_per_s")
     server_start_s: float = setting("plan.server_start_s")
-    # dataset.max_turns and dataset.max_context_tokens: 1 and none in configs from before conversations
-    max_turns: int = setting(lambda c: c["dataset"].get("max_turns", 1), reads=("dataset.max_turns",))
-    max_context_tokens: int | None = setting(lambda c: c["dataset"].get("max_context_tokens"),
-                                             reads=("dataset.max_context_tokens",))
     validate_gpus: int | None = setting("validate.gpus")
     validate_max_tokens: int | None = setting("validate.max_tokens")  # None: generation.max_tokens
     validate_concurrency: int = setting("validate.concurrency")

@@ -7,7 +7,8 @@ ids (`return_token_ids`), so later stages never re-template or re-tokenize.
 
 Crash safety. Each finished record is appended and flushed to a partial file outside the declared
 output, `<partial_dir>/<shard>.<fingerprint>.partial.jsonl`. The fingerprint hashes every setting
-that changes the answers, so a settings change starts a fresh file instead of mixing answers. A
+that changes the answers, so a settings change starts a fresh file instead of mixing answers.
+A conversation's prompt (``conversations``) is answered turn by turn, each turn appended as it comes. A
 rerun after a crash or `kill -9` drops a torn last line, skips the ids already finished and sends
 the rest (failed requests included). The declared output appears only once the shard is complete,
 in prompt order, through a temp file and an atomic rename; the partial file then becomes a hard
@@ -31,9 +32,10 @@ from ..errors import ServerError, TracesError
 from ..serving.client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT, RETRY_STATUSES, RetryPolicy,
                               auth_hint, describe_client_error, open_session, run_workers)
 from ..serving.probe import describe_os_error, probe
-from ..settings import GenerationSettings
+from ..settings import CONVERSATION_KEYS, GenerationSettings
 from ..util import progress_bar, say, write_atomic
 from ..vllm_facts import reasoning_of
+from .conversations import converse, is_conversation
 from .prompts import read_prompt_shard
 from .trace_file import PartialFile, json_line
 from .trace_stats import TraceStats, stem, summary, write_stats_table
@@ -44,18 +46,22 @@ __all__ = ["TracesError", "answer_prompts", "check_server", "generate_shard", "f
 GENERATION_DEFAULTS = defaults("generation")
 # The settings that change the answers (GenerationSettings' fingerprint, less the model): they, and only
 # they, name the partial file, as a change to one of them reruns the traces.
-ANSWER_SETTINGS = tuple(k for k in GenerationSettings.defaults().fingerprint() if k != "model")
+ANSWER_SETTINGS = tuple(k for k in GenerationSettings.defaults().fingerprint() if k not in ("model", *CONVERSATION_KEYS))
 ERROR_BODY_CHARS = 2000
 
 
-def fingerprint(model, generation=None):
-    """Short hash of everything that changes the answers (model and ANSWER_SETTINGS)."""
+def fingerprint(model, generation=None, conversation=None):
+    """Short hash of everything that changes the answers (model and ANSWER_SETTINGS; for a shard that holds
+    conversations, ``conversation``'s limits too: a single question's answer does not depend on them, so the
+    shards of single-turn data keep the fingerprint they had before conversations)."""
     g = _generation_settings(generation or {})
     key = {"model": model, **{k: g[k] for k in ANSWER_SETTINGS}}
+    if conversation is not None:
+        key.update({k: conversation[k] for k in CONVERSATION_KEYS})
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def generate_shard(prompts_path, output_path, *, urls, model, generation, api_key=None,
+def generate_shard(prompts_path, output_path, *, urls, model, generation, api_key=None, conversation=None,
                    partial_dir=None, errors_path=None, stats_path=None, progress=True):
     """Answer every prompt of `prompts_path` and write `output_path` once the shard is complete.
 
@@ -66,6 +72,8 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         usage, latency_s, server, attempts.
     urls: base URLs of the replicas (http://host:port, with or without /v1).
     generation: the `generation:` config (GENERATION_DEFAULTS' keys), all optional.
+    conversation: where a conversation ends, {max_turns, max_context_tokens} (GenerationSettings.conversation;
+        None: the schema's defaults). A conversation's record adds turns, ended, turns_dropped (conversations).
     partial_dir: where the partial file lives (default: <output dir>/partial/).
     errors_path: this run's failed requests, {id, status, body, server, attempts} per line
         (default: <output>.errors.jsonl); written, possibly empty, at the end of every run.
@@ -81,7 +89,9 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
     if not urls:
         raise TracesError(f"{output_path}: no server URL given; pass at least one base URL")
     shard = stem(output_path)
-    fp = fingerprint(model, gen)
+    prompts = read_prompt_shard(prompts_path)
+    conversation = _conversation_settings(conversation)
+    fp = _shard_fingerprint(model, gen, conversation, prompts)
     partial_dir = Path(partial_dir) if partial_dir is not None else output_path.parent / "partial"
     files = _ShardFiles(
         output=output_path,
@@ -89,13 +99,18 @@ def generate_shard(prompts_path, output_path, *, urls, model, generation, api_ke
         errors=Path(errors_path) if errors_path is not None else _sibling(output_path, ".errors.jsonl"),
         stats=Path(stats_path) if stats_path is not None else _sibling(output_path, ".stats.json"),
     )
-    run = _ShardRun(shard=shard, prompts=read_prompt_shard(prompts_path), files=files,
+    run = _ShardRun(shard=shard, prompts=prompts, files=files,
                     servers=[_Server(u) for u in dict.fromkeys(_base_url(u) for u in urls)], model=model, gen=gen,
-                    api_key=api_key, progress=progress)
+                    api_key=api_key, progress=progress, conversation=conversation)
     return asyncio.run(run.main())
 
 
-def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers", progress=False):
+def _shard_fingerprint(model, gen, conversation, prompts):
+    """The fingerprint of a shard's partial file: the conversation limits count where it holds conversations."""
+    return fingerprint(model, gen, conversation if any(map(is_conversation, prompts)) else None)
+
+
+def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers", progress=False, conversation=None):
     """The trace records of ``prompts`` (dicts with "messages"), in order, from the server at ``url``:
     the client, request body and retry policy of ``generate_shard``, with its files in a temporary
     directory that is removed afterwards. Any failed request raises TracesError."""
@@ -109,7 +124,8 @@ def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answe
         files = _ShardFiles(output=output_path, partial=tmp / "partial.jsonl", errors=tmp / "errors.jsonl",
                             stats=tmp / "stats.json")
         run = _ShardRun(shard=name, prompts=keyed, files=files, servers=[_Server(_base_url(url))], model=model,
-                        gen={**gen, "max_error_fraction": 0.0}, api_key=api_key, progress=progress)  # any failure fails
+                        gen={**gen, "max_error_fraction": 0.0}, api_key=api_key, progress=progress,  # any failure fails
+                        conversation=_conversation_settings(conversation))
         try:
             asyncio.run(run.main())
         except TracesError:
@@ -203,7 +219,7 @@ class _ShardRun:
     """One run over a shard's prompts: ``gen`` (``_generation_settings``) says how to ask ``model`` on the
     ``servers`` (``_Server``) and how many failures the shard bears (``max_error_fraction``)."""
 
-    def __init__(self, *, shard, prompts, files: _ShardFiles, servers, model, gen, api_key, progress):
+    def __init__(self, *, shard, prompts, files: _ShardFiles, servers, model, gen, api_key, progress, conversation):
         self.shard = shard
         self.prompts = prompts
         self.files = files
@@ -212,12 +228,14 @@ class _ShardRun:
         self.gen = gen
         self.retry = RetryPolicy.from_settings(gen)
         self.api_key = api_key
-        self.fingerprint = fingerprint(model, gen)
+        self.conversation = conversation  # {max_turns, max_context_tokens}
+        self.fingerprint = _shard_fingerprint(model, gen, conversation, prompts)
         self.progress = progress
         self.max_errors = int(gen["max_error_fraction"] * len(prompts))
         self.body_head, self.body_tail = _request_body(model, gen)
         self.partial = PartialFile(files.partial, shard)  # the finished records
         self.index = self.partial.index  # id -> (offset, length) of its line in the partial file
+        self.turns = {}          # id -> the turn lines of a conversation not finished (conversations.converse)
         self.errors = []         # this run's failed requests: {id, status, body, server, attempts}
         self.stats = TraceStats()
         self.stopping = False    # no new requests (error budget spent); in-flight ones finish
@@ -229,7 +247,8 @@ class _ShardRun:
 
     async def main(self):
         t0 = time.monotonic()
-        self.partial.open({p["id"] for p in self.prompts}, self.stats.count)
+        self.partial.open({p["id"] for p in self.prompts}, self.stats.count,
+                          on_turn=lambda line: self.turns.setdefault(line["turn_of"], []).append(line))
         self.stats.resumed = len(self.index)
         failure = None
         try:
@@ -314,8 +333,23 @@ class _ShardRun:
             raise TracesError(self._servers_down_message())
 
     async def _request(self, prompt):
+        if is_conversation(prompt):
+            await converse(self, prompt, self.turns.get(prompt["id"], []))
+            return
+        got = await self.post(prompt["id"], self.body(prompt["messages"]))
+        if got is not None:
+            self._finish(prompt, *got)
+
+    def body(self, messages, tools=None) -> bytes:
+        """A request's body: the messages (and tools) spliced into the settings' body."""
+        tools = b',"tools":' + json.dumps(tools, separators=(",", ":")).encode() if tools else b""
+        return self.body_head + json.dumps(messages, separators=(",", ":")).encode() + tools + self.body_tail
+
+    async def post(self, rid, data, refused=None):
+        """Send one request (``rid``: the prompt's id, for the errors file) with retries -> (raw answer, server,
+        latency, attempts); "refused" where ``refused(status, body)`` says a non-retried answer is not an
+        error; None when it failed (counted) or the shard is stopping."""
         g = self.gen
-        data = self.body_head + json.dumps(prompt["messages"], separators=(",", ":")).encode() + self.body_tail
         attempt = 0
         while True:
             attempt += 1
@@ -337,22 +371,23 @@ class _ShardRun:
                 server.down_since = None
                 server.failures = 0
                 if status == 200:
-                    self._finish(prompt, raw, server, time.monotonic() - start, attempt)
-                    return
+                    return raw, server, time.monotonic() - start, attempt
                 body = raw[:ERROR_BODY_CHARS].decode("utf-8", "replace")
                 if status not in RETRY_STATUSES:
-                    self._fail(prompt, status, body, server, attempt)
-                    return
+                    if refused is not None and refused(status, body):
+                        return "refused"
+                    self._fail(rid, status, body, server, attempt)
+                    return None
                 failure = f"HTTP {status}: {body[:200]}"
             finally:
                 server.outstanding -= 1
             if self.stopping:
-                return  # the shard has failed already; this prompt is sent again on the rerun
+                return None  # the shard has failed already; this prompt is sent again on the rerun
             if attempt > g["max_retries"]:
                 if status is None and all(s.down_since is not None for s in self.servers):
                     raise TracesError(self._servers_down_message())
-                self._fail(prompt, status, f"gave up after {attempt} attempts; last: {failure}", server, attempt)
-                return
+                self._fail(rid, status, f"gave up after {attempt} attempts; last: {failure}", server, attempt)
+                return None
             self.stats.retries += 1
             await asyncio.sleep(self._backoff(attempt, retry_after))
 
@@ -390,22 +425,30 @@ class _ShardRun:
     def _backoff(self, attempt, retry_after):
         return self.retry.delay(attempt, retry_after)
 
-    def _finish(self, prompt, raw, server, latency, attempt):
+    def parse(self, rid, raw, server, attempt):
+        """(answer, its first choice, the reasoning) of a chat answer; None (counted as a failure) when it is
+        not one. TracesError when it lacks the token ids."""
         try:
             answer = json.loads(raw)
             choice = answer["choices"][0]
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError):
-            self._fail(prompt, 200, "unexpected answer: " + raw[:ERROR_BODY_CHARS].decode("utf-8", "replace"),
+            self._fail(rid, 200, "unexpected answer: " + raw[:ERROR_BODY_CHARS].decode("utf-8", "replace"),
                        server, attempt)
-            return
-        completion_ids = choice.get("token_ids")
-        prompt_ids = answer.get("prompt_token_ids")
-        if completion_ids is None or prompt_ids is None:
+            return None
+        if choice.get("token_ids") is None or answer.get("prompt_token_ids") is None:
             raise TracesError(
                 f"{self.shard}: server at {server.url} answered without token ids; eaglenest needs a vLLM "
                 "server that supports return_token_ids (the exact tokens of prompt and answer)")
-        reasoning = reasoning_of(message)
+        return answer, choice, reasoning_of(message)
+
+    def _finish(self, prompt, raw, server, latency, attempt):
+        parsed = self.parse(prompt["id"], raw, server, attempt)
+        if parsed is None:
+            return
+        answer, choice, reasoning = parsed
+        message = choice["message"]
+        completion_ids, prompt_ids = choice["token_ids"], answer["prompt_token_ids"]
         finish_reason = choice.get("finish_reason")
         record = {
             "id": prompt["id"],
@@ -422,10 +465,14 @@ class _ShardRun:
             "server": server.url,
             "attempts": attempt,
         }
-        self.partial.append(record)
         server.answered += 1
-        self.first_success = True
         self.stats.answered(latency, len(completion_ids))
+        self.keep(record)
+
+    def keep(self, record):
+        """A finished record (a conversation's once it ended): appended to the partial file, counted."""
+        self.partial.append(record)
+        self.first_success = True
         self.stats.count(record)
         if self.pbar is not None:
             self.pbar.update(1)
@@ -440,8 +487,8 @@ class _ShardRun:
             self.pbar.set_postfix_str(f"{rate:,.0f} tok/s, {len(self.errors)} errors, {self.stats.retries} retries",
                                       refresh=False)
 
-    def _fail(self, prompt, status, body, server, attempts):
-        self.errors.append({"id": prompt["id"], "status": status, "body": body, "server": server.url,
+    def _fail(self, rid, status, body, server, attempts):
+        self.errors.append({"id": rid, "status": status, "body": body, "server": server.url,
                             "attempts": attempts})
         if len(self.errors) > self.max_errors:
             self.stopping = True  # the shard has failed: let in-flight requests finish, send no more
@@ -481,6 +528,19 @@ def _generation_settings(generation):
         if g[key] is not None and not isinstance(g[key], dict):
             raise TracesError(f"generation.{key} must be a mapping, got {g[key]!r}")
     return g
+
+
+def _conversation_settings(conversation):
+    """The conversation limits ({max_turns, max_context_tokens}) checked and completed with the schema's defaults."""
+    c = {**GenerationSettings.defaults().conversation(), **{k: v for k, v in (conversation or {}).items() if v is not None}}
+    if set(c) != set(CONVERSATION_KEYS):
+        raise TracesError(f"conversation settings {sorted(set(c) - set(CONVERSATION_KEYS))} are not known; "
+                          f"known: {list(CONVERSATION_KEYS)}")
+    if not isinstance(c["max_turns"], int) or c["max_turns"] < 1:
+        raise TracesError(f"dataset.max_turns must be a positive integer, got {c['max_turns']!r}")
+    if c["max_context_tokens"] is not None and (not isinstance(c["max_context_tokens"], int) or c["max_context_tokens"] < 1):
+        raise TracesError(f"dataset.max_context_tokens must be a positive integer or null, got {c['max_context_tokens']!r}")
+    return c
 
 
 def _base_url(url):

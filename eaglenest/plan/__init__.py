@@ -43,7 +43,7 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
     turns, turns_source = answers_per_prompt(run, measured)
     # a conversation's sequence grows turn by turn: each turn's prompt and answer at most
     per_turn = run.prompts.max_prompt_chars + g.max_tokens
-    limits = [h.max_length, s.max_model_len, run.plan.max_context_tokens,
+    limits = [h.max_length, s.max_model_len, run.generation.max_context_tokens,
               per_turn * max(1, math.ceil(turns))]
     seq = min(x for x in limits if x)
     hidden_size, hsource = target_hidden_size(run)

@@ -197,7 +197,7 @@ def answers_per_prompt(run: RunSettings, measured: dict | None) -> tuple[float, 
     """The answers (requests to the trace server) one training prompt costs, and whence: a conversation of N
     turns costs N. With dataset.max_turns 1, one; once trace shards have finished, their mean; with questions
     the target writes, at most dataset.generate.turns; else at most dataset.max_turns."""
-    max_turns = run.plan.max_turns
+    max_turns = run.prompts.max_turns
     if max_turns == 1:
         return 1, "dataset.max_turns 1"
     if measured:
