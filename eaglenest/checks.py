@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.prompts import columns_refusal, is_local_dataset, same_prompts
+from .data.datasets import columns_refusal, is_local_dataset
+from .data.prompts import same_prompts
 from .errors import ConfigError
 from .gpus import GPU_MEMORY_GIB, known_gpu, machine_gpus
 from .plan import human_bytes, server_gpus, stage_gpus, validation_refusal

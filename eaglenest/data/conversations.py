@@ -1,5 +1,5 @@
 """Conversations regenerated turn by turn: the target answers each assistant slot of a prompt record
-(``prompts.conversation``) given the conversation so far with its own earlier answers.
+(``messages.conversation``) given the conversation so far with its own earlier answers.
 
 A conversation's prompt record holds the data's system, user and tool turns and an assistant slot for
 each answer ({"role": "assistant"}, with the data's "tool_calls" where the data called tools). Turn k's
@@ -32,7 +32,7 @@ TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too lo
 
 
 def is_conversation(prompt: dict) -> bool:
-    """Whether a prompt record is a conversation's (prompts.conversation) rather than a single question's."""
+    """Whether a prompt record is a conversation's (messages.conversation) rather than a single question's."""
     return bool(prompt.get("tools")) or any(is_slot(m) for m in prompt["messages"])
 
 

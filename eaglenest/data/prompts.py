@@ -12,9 +12,7 @@ record keeps the user and tool turns and an empty assistant slot for each answer
 eaglenest.data.conversations regenerates it), {"id", "source", "messages", "tools"?}; the user turns
 past max_turns are dropped and counted (stats.json: turns_dropped).
 
-Which column holds the question (a column of turns, or of plain text) and which the id is the
-``dataset.columns`` setting (``find_columns``); each key left null is guessed from the column names
-(COLUMNS; the id: a hash of the kept messages).
+Reading the dataset: eaglenest.data.datasets; one row's messages and id: eaglenest.data.messages.
 
 Every choice below depends on a row's content alone, never on the file's row order or on other
 settings: the id is the id column's value or a hash of the kept messages, the shuffle orders rows by a
@@ -24,328 +22,26 @@ training (rows with the same id or the same kept messages are duplicates).
 """
 from __future__ import annotations
 
-import ast
-import contextlib
 import copy
-import csv
-import glob
-import gzip
 import hashlib
 import heapq
 import json
-import sys
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
 
 from ..errors import PromptsError, RowError, TracesError
 # Where dataset.generate writes the target's own questions, and the dataset prepare_prompts reads: both
 # live with the stage's settings (re-exported here for the rules, the plan and data.questions).
 from ..settings import QUESTIONS_FILE, PromptSettings, dataset_path  # noqa: F401
-from ..util import is_local_path, progress_bar, say, write_atomic
+from ..util import progress_bar, say, write_atomic
+from .datasets import BAD_LINE, is_local_dataset, open_dataset
+from .messages import Columns, asks_turns, conversation, extract_messages, prompt_id, row_id
 
 
 # Drop reasons, in the order the summary lists them.
 REASONS = ("duplicate", "empty", "non_string", "malformed", "too_long")
 
-# Columns that hold the question, in detection order: (column, kind).
-COLUMNS = (
-    ("conversations", "turns"),  # ShareGPT / open-perfectblend: [{"from", "value"}]
-    ("conversation", "turns"),   # lmsys-chat style: same turns under a singular name
-    ("messages", "turns"),       # OpenAI style: [{"role", "content"}]
-    ("turns", "turns"),          # MT-Bench: the user's turns as plain strings
-    ("prompt", "text"),
-    ("question", "text"),
-    ("instruction", "text"),     # Alpaca: an `input` column, when filled, is appended
-    ("problem", "text"),         # MATH-500 and other competition-math sets
-)
-SYSTEM_COLUMNS = ("system", "system_prompt")  # keep_system for the plain text formats
-
-# Role names seen in the wild, mapped to ours. Turns after the question only need a known role.
-ROLES = {
-    "user": "user", "human": "user",
-    "system": "system", "developer": "system",
-    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
-    "tool": "tool", "function": "tool", "function_call": "tool", "observation": "tool", "ipython": "tool",
-}
-
-# Local file kinds by name ending, for datasets.load_dataset(<kind>, data_files=...).
-EXTENSIONS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz": "json",
-              ".parquet": "parquet", ".csv": "csv"}
-
 PROGRESS_MIN_ROWS = 5000  # below this a bar is noise in the log
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Which columns
-
-
-class Columns(NamedTuple):
-    """Where a dataset's rows hold what this stage reads."""
-
-    column: str            # the column read: the question (kind text) or the whole conversation (kind turns)
-    kind: str              # "turns": a list of turns (OpenAI messages or ShareGPT); "text": a plain string
-    id: str | None = None  # the column of the rows' ids; None: a hash of the kept messages
-
-
-# dataset.columns' keys that name the question's column, and the kind of column each names.
-MAPPED_KINDS = {"question": "text", "conversation": "turns"}
-
-
-def detect_format(columns) -> str | None:
-    """The column that holds the question, or None when no known column is there."""
-    columns = set(columns)
-    return next((name for name, _ in COLUMNS if name in columns), None)
-
-
-def find_columns(columns: list[str], mapping: dict | None, where: str, *, key: str = "dataset.columns",
-                 sample=()) -> Columns:
-    """The Columns of a dataset with these ``columns``: what ``mapping`` (dataset.columns, at ``key``) names,
-    else the guesses (detect_format). PromptsError, its message headed by ``where`` (the dataset), when a
-    mapped column is not there, question and conversation are both mapped, or no column holds a question;
-    ``sample`` (a few rows) lets that message suggest a column of text."""
-    mapping = {k: v for k, v in (mapping or {}).items() if v is not None}
-    mapped = [k for k in MAPPED_KINDS if k in mapping]
-    if len(mapped) > 1:
-        raise PromptsError(f"{key}: question ({mapping['question']!r}) and conversation ({mapping['conversation']!r}) "
-                           f"are both set; set one: question for a column of plain-text questions, conversation for "
-                           f"a column of turns")
-    for name, column in mapping.items():
-        if column not in columns:
-            raise PromptsError(f"{where}: {key}.{name} is {column!r}, which is not one of its columns {list(columns)}; "
-                               f"set {key}.{name} to one of them (or null, to guess)")
-    if mapped:
-        return Columns(mapping[mapped[0]], MAPPED_KINDS[mapped[0]], mapping.get("id"))
-    fmt = detect_format(columns)
-    if fmt is None:
-        hint = " (a .json file must hold an array of objects, or one object a line)" if list(columns) == ["data"] else ""
-        raise PromptsError(
-            f"{where}: no question column; found columns {list(columns)}{hint}. Set {key}.question: "
-            f"{_text_column(columns, sample)} (the column of plain-text questions) or {key}.conversation "
-            f"(a column of [{{role, content}}] or [{{from, value}}] turns); guessed without them: "
-            f"{', '.join(name for name, _ in COLUMNS)}")
-    return Columns(fmt, dict(COLUMNS)[fmt], mapping.get("id"))
-
-
-def _text_column(columns, sample) -> str:
-    """The column to suggest for dataset.columns.question: the first whose sampled values are text."""
-    texts = [c for c in columns if any(isinstance(r, dict) and isinstance(r.get(c), str) and r[c].strip() for r in sample)]
-    return next(iter(texts), "text" if "text" in columns else "<column>")
-
-
-# ---------------------------------------------------------------------------------------------
-# One row -> messages
-
-
-def extract_messages(row: dict, keep_system: bool = False, *, fmt: str | None = None, kind: str | None = None) -> list[dict]:
-    """The question of one row as [{"role": "system"|"user", "content": str}], user last.
-
-    fmt is the question's column for the whole dataset (find_columns'), kind its kind ("turns" or
-    "text"; None: COLUMNS' kind of fmt); without fmt the row's own keys decide. Raises RowError (reason
-    in REASONS, never "duplicate"/"too_long") for a bad row.
-    """
-    if not isinstance(row, dict):
-        raise RowError("malformed", f"row is a {type(row).__name__}, not an object")
-    fmt = fmt or detect_format(row)
-    if fmt is None:
-        raise RowError("malformed", f"none of the columns {sorted(row)} holds a question")
-    kind = kind or dict(COLUMNS)[fmt]
-    if kind == "turns":
-        return _from_turns(row.get(fmt), fmt, keep_system)
-    return _from_text(row, fmt, keep_system)
-
-
-def row_id(row: dict, column: str) -> str:
-    """A row's id from its id column (dataset.columns.id): a string or an integer, as text."""
-    value = row.get(column)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise RowError("empty", f"id column {column!r} is empty")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise RowError("malformed", f"id column {column!r} holds a {type(value).__name__}, not a string or an integer")
-    return str(value)
-
-
-def _from_turns(turns, column: str, keep_system: bool) -> list[dict]:
-    if isinstance(turns, str):
-        turns = _parse_list(turns)  # a CSV cell can only hold the turns as text
-    if not isinstance(turns, list):
-        raise RowError("malformed", f"{column} is a {type(turns).__name__}, not a list of turns")
-    system, question = [], None
-    for i, turn in enumerate(turns):
-        if isinstance(turn, str) and column == "turns":
-            turn = {"role": "user", "content": turn}  # MT-Bench's turns: what the user says, in order
-        if not isinstance(turn, dict):
-            raise RowError("malformed", f"{column}[{i}] is a {type(turn).__name__}, not an object")
-        # ShareGPT spells a turn {from, value}, OpenAI {role, content}; accept either in either column.
-        role_key, text_key = ("from", "value") if "from" in turn else ("role", "content")
-        if role_key not in turn:
-            raise RowError("malformed", f"{column}[{i}] has neither 'from' nor 'role' (keys {sorted(turn)})")
-        raw_role = turn[role_key]
-        role = ROLES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
-        if role is None:
-            raise RowError("malformed", f"{column}[{i}] has unknown role {raw_role!r}")
-        if question is not None:
-            continue  # after the question only the structure is checked
-        if role in ("assistant", "tool"):
-            raise RowError("malformed", f"{column}[{i}] is a {raw_role!r} turn before any user turn")
-        if text_key not in turn:
-            raise RowError("malformed", f"{column}[{i}] has no {text_key!r} (keys {sorted(turn)})")
-        text = turn[text_key]
-        if not isinstance(text, str):
-            raise RowError("non_string", f"{column}[{i}].{text_key} is a {type(text).__name__}, not a string")
-        if role == "system":
-            if text.strip():  # a blank system prompt is the same as none
-                system.append({"role": "system", "content": text})
-        elif not text.strip():
-            raise RowError("empty", f"{column}[{i}] is a blank user turn")
-        else:
-            question = {"role": "user", "content": text}
-    if question is None:
-        raise RowError("empty", f"{column} has no user turn")
-    return (system if keep_system else []) + [question]
-
-
-def _parse_list(text: str):
-    """Turns written into a text cell: JSON, or the Python repr that pandas' to_csv writes."""
-    for parse in (json.loads, ast.literal_eval):
-        try:
-            return parse(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            pass
-    return text
-
-
-def conversation(row: dict, column: str, keep_system: bool, max_turns: int) -> tuple[list[dict], list | None, int]:
-    """(messages, tools, user turns dropped) of a row of turns (``column``) as a conversation to regenerate:
-    its system (with keep_system), user and tool turns, with an assistant slot for each answer, at most
-    ``max_turns``: {"role": "assistant"}, plus the data's "tool_calls" where it called tools (the target's
-    calls are checked against them). A user turn or tool result the data left unanswered gets a slot too.
-    ``tools``: the row's "tools" column (an OpenAI tools list), or None. RowError for a turn that does not fit
-    a conversation (a tool result after no assistant turn, two assistant turns in a row)."""
-    turns = row.get(column)
-    if isinstance(turns, str):
-        turns = _parse_list(turns)
-    tools = _tools(row)
-    messages: list[dict] = []
-    slots = dropped = 0
-    started = False  # past the first user turn
-    for i, turn in enumerate(turns):
-        role, text, turn = _turn(turn, column, i)
-        if not started and role != "user":
-            if role == "system" and keep_system and isinstance(text, str) and text.strip():
-                messages.append({"role": "system", "content": text})
-            continue  # _from_turns has checked what comes before the question
-        started = True
-        last = messages[-1]["role"] if messages else None
-        if slots == max_turns:
-            dropped += role == "user"
-            continue
-        if role == "user":
-            if not isinstance(text, str) or not text.strip():
-                dropped += 1  # a blank or odd user turn ends what can be asked
-                slots = max_turns
-                continue
-            if last in ("user", "tool"):
-                messages.append({"role": "assistant"})  # the data answered nothing here: the target does
-                slots += 1
-                if slots == max_turns:
-                    dropped += 1
-                    continue
-            messages.append({"role": "user", "content": text})
-        elif role == "assistant":
-            if last == "assistant":
-                raise RowError("malformed", f"{column}[{i}] is a second assistant turn in a row")
-            slot = {"role": "assistant"}
-            if turn.get("tool_calls"):
-                slot["tool_calls"] = _without_nulls(turn["tool_calls"])
-            messages.append(slot)
-            slots += 1
-        elif role == "tool":
-            if last not in ("assistant", "tool"):
-                raise RowError("malformed", f"{column}[{i}] is a tool result after a {last} turn, not after an assistant's call")
-            if not isinstance(text, str):
-                raise RowError("non_string", f"{column}[{i}] is a tool result of a {type(text).__name__}, not a string")
-            result = {"role": "tool", "content": text}
-            result.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
-            messages.append(result)
-        elif keep_system and isinstance(text, str) and text.strip():
-            messages.append({"role": "system", "content": text})
-    while messages and messages[-1]["role"] == "tool" and slots == max_turns:
-        messages.pop()  # the results of the last call kept: nothing is asked after them
-    if messages and messages[-1]["role"] in ("user", "tool", "system"):
-        if slots < max_turns:
-            messages.append({"role": "assistant"})
-        else:
-            dropped += messages.pop()["role"] == "user"
-    return messages, tools, dropped
-
-
-def _asks_turns(messages: list[dict], tools) -> bool:
-    """Whether ``conversation``'s messages ask more than a single question would (several slots, tool calls
-    or tools): then they are the record's; else the question alone is (conversations.is_conversation reads
-    the record)."""
-    return bool(tools) or sum(m["role"] == "assistant" for m in messages) > 1 \
-        or any("tool_calls" in m for m in messages)
-
-
-def _turn(turn, column: str, i: int) -> tuple[str, object, dict]:
-    """(role, text, the turn as an object) of a turn _from_turns has checked the structure of."""
-    if isinstance(turn, str):
-        return "user", turn, {"role": "user", "content": turn}
-    role_key, text_key = ("from", "value") if "from" in turn else ("role", "content")
-    return ROLES[turn[role_key].strip().lower()], turn.get(text_key), turn
-
-
-def _tools(row: dict):
-    """The row's OpenAI tools list (a "tools" column, or its JSON text), or None."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        tools = _parse_list(tools)
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RowError("malformed", f"tools is a {type(tools).__name__}, not a list of tool objects")
-    return _without_nulls(tools)
-
-
-def _without_nulls(value):
-    """Tools and tool calls without null members: a table (parquet, datasets' Arrow) gives every object of a
-    column all the keys any has, the missing ones null, and a JSON schema has no null members."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def _from_text(row: dict, column: str, keep_system: bool) -> list[dict]:
-    text = row.get(column)
-    if text is None:  # how CSV and parquet spell an empty cell
-        raise RowError("empty", f"{column} is empty")
-    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        text = text[0]  # the turns of a multi-turn benchmark (MT-Bench's prompt column): the first is the question
-    if not isinstance(text, str):
-        raise RowError("non_string", f"{column} is a {type(text).__name__}, not a string")
-    if not text.strip():
-        raise RowError("empty", f"{column} is blank")
-    extra = row.get("input") if column == "instruction" else None
-    if isinstance(extra, str) and extra.strip():
-        text = f"{text}\n\n{extra}"
-    messages = [{"role": "user", "content": text}]
-    if keep_system:
-        system = next((row[c] for c in SYSTEM_COLUMNS if isinstance(row.get(c), str)), "")
-        if system.strip():
-            messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
-def prompt_id(messages: list[dict], tools: list | None = None) -> str:
-    """16 hex digits of sha256 over the canonical JSON of the kept messages (and the tools, when there are)."""
-    kept = {"messages": messages, "tools": tools} if tools else messages
-    canonical = json.dumps(kept, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
 def shuffle_key(seed: int, pid: str) -> bytes:
@@ -362,228 +58,6 @@ def shard_number(pid: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def _kind(name: str) -> str | None:
-    lower = name.lower()
-    return next((kind for ext, kind in EXTENSIONS.items() if lower.endswith(ext)), None)
-
-
-def is_local_dataset(path: str, base=None) -> bool:
-    """Local files rather than a Hugging Face hub dataset: a local path (``util.is_local_path``, relative
-    to ``base``) or a name with a dataset file's extension."""
-    return is_local_path(path, base) or _kind(path) is not None
-
-
-def _local_files(path: str) -> tuple[str, list[str]]:
-    """(kind, files) of a local file or directory; PromptsError when there is nothing to read."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise PromptsError(f"dataset {path!r}: no such file or directory. Give an existing local "
-                           f"file/directory ({', '.join(EXTENSIONS)}) or a Hugging Face hub name like "
-                           f"'mlabonne/open-perfectblend'.")
-    if p.is_file():
-        kind = _kind(p.name)
-        if kind is None:
-            raise PromptsError(f"dataset {path!r}: unknown file type; expected one of {', '.join(EXTENSIONS)}")
-        return kind, [str(p)]
-
-    def data_files(pattern):
-        return sorted(str(f) for f in p.glob(pattern) if f.is_file() and _kind(f.name)
-                      and not any(part.startswith(".") for part in f.relative_to(p).parts))
-
-    # Files at the top level; else anywhere below (the data/ folder of a cloned hub repo).
-    files = data_files("*") or data_files("**/*")
-    kinds = sorted({_kind(Path(f).name) for f in files})
-    if not files:
-        raise PromptsError(f"dataset directory {path!r} holds no {', '.join(EXTENSIONS)} files")
-    if len(kinds) > 1:
-        raise PromptsError(f"dataset directory {path!r} mixes file types ({', '.join(kinds)}); "
-                           f"point dataset.path at one file or a directory of one type")
-    return kinds[0], files
-
-
-def _load(path: str, split: str, cache_dir: str | None, subset: str | None = None, mapped=()):
-    """(rows, n_rows, columns) where rows yields dicts, so that a bad row costs a count, not the run;
-    ``mapped``: the columns dataset.columns names, read beside the ones this stage guesses."""
-    import datasets  # slow to import; only this stage needs it
-
-    if is_local_dataset(path):
-        kind, files = _local_files(path)
-        try:
-            # glob.escape: data_files are patterns, and a '[' in a path makes the file vanish.
-            ds = datasets.load_dataset(kind, data_files=[glob.escape(f) for f in files], split="train",
-                                       cache_dir=cache_dir)
-        except Exception as e:  # noqa: BLE001 -- arrow refuses some rows; json can still read the rest
-            if kind != "json":
-                raise PromptsError(f"dataset {path!r}: cannot read it as {kind}: {_why(e)}") from e
-            say(f"prompts: datasets could not read {path} as a table ({_why(e)}); "
-                f"reading it with the json module, bad lines count as malformed")
-            return _json_rows(path, files)
-    else:
-        try:
-            named = {"name": subset} if subset else {}  # the dataset's configuration, where it has several
-            ds = datasets.load_dataset(path, **named, split=split, cache_dir=cache_dir)
-        except Exception as e:  # noqa: BLE001 -- network, name, split, auth: all the user's to fix
-            raise PromptsError(f"dataset {path!r} (split {split!r}) could not be loaded from the Hugging Face "
-                               f"hub: {_why(e)}. Check the name and split, the network (or HF_HUB_OFFLINE with "
-                               f"a filled cache), or point dataset.path at a local file.") from e
-    return _dataset_rows(ds, mapped), len(ds), list(ds.column_names)
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    cause = e.__cause__ or e.__context__
-    if cause is not None and str(cause).strip() and str(cause) not in text:
-        text += f" ({str(cause).strip()})"
-    return text
-
-
-def _dataset_rows(ds, mapped=()):
-    """Rows of a datasets.Dataset, reading only the columns this stage uses (``mapped``: those dataset.columns names)."""
-    wanted = [c for c in ds.column_names if c in dict(COLUMNS) or c in (*SYSTEM_COLUMNS, "input", "source", "tools", *mapped)]
-    ds = ds.select_columns(wanted)
-
-    def rows():
-        for batch in ds.iter(batch_size=1024):
-            for values in zip(*(batch[c] for c in wanted)):
-                yield dict(zip(wanted, values))
-    return rows()
-
-
-_BAD_LINE = object()  # a line that is not JSON: counted as malformed
-
-
-def _json_rows(path: str, files: list[str]):
-    """JSON / JSON Lines read with the json module: a line that is not JSON becomes a malformed row."""
-    rows, columns = [], {}  # columns in order of first appearance, like datasets
-    for f in files:
-        opener = gzip.open if f.lower().endswith(".gz") else open
-        try:
-            with opener(f, "rt", encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError, EOFError) as e:
-            raise PromptsError(f"dataset {path!r}: cannot read {f}: {e}") from e
-        try:
-            whole = json.loads(text)  # a .json file holding one array
-            parsed = whole if isinstance(whole, list) else [whole]
-        except json.JSONDecodeError:
-            parsed = []
-            for line in text.splitlines():
-                if line.strip():
-                    try:
-                        parsed.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        parsed.append(_BAD_LINE)
-        for r in parsed:
-            if isinstance(r, dict):
-                columns.update(dict.fromkeys(r))
-        rows.extend(parsed)
-    return iter(rows), len(rows), list(columns)
-
-
-# ---------------------------------------------------------------------------------------------
-# Before any job: a local dataset's first rows
-
-
-HEAD_ROWS = 20  # rows the parse-time check reads (it runs at every start, dry-runs included)
-HEAD_JSON_BYTES = 1 << 20  # of a .json array, only the objects within its first MiB are read
-
-
-def head_rows(path: str, n: int = HEAD_ROWS) -> tuple[list, list[str]] | None:
-    """(the first ``n`` rows, the columns) of a local dataset, read without ``datasets`` (slow to import, and it
-    copies the whole file into its cache); None where they cannot be read cheaply (a .json array whose first
-    object is above HEAD_JSON_BYTES, lines that are not JSON): prepare_prompts reads those and says what it finds.
-    PromptsError for a directory with nothing to read (``_local_files``)."""
-    kind, files = _local_files(path)
-    f = files[0]  # a directory's files share one kind and, as datasets reads them, one set of columns
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(f)
-        batch = next(pf.iter_batches(batch_size=n), None)
-        return (batch.to_pylist() if batch is not None else []), list(pf.schema_arrow.names)
-    opener = gzip.open if f.lower().endswith(".gz") else open
-    with opener(f, "rt", encoding="utf-8", newline="" if kind == "csv" else None) as fh:
-        if kind == "csv":
-            reader = csv.DictReader(fh)
-            return [dict(r) for _, r in zip(range(n), reader)], list(reader.fieldnames or [])
-        text = fh.read(HEAD_JSON_BYTES)
-    rows = _head_json(text, n)
-    if rows is None:
-        return None
-    columns = {}
-    for r in rows:
-        columns.update(dict.fromkeys(r))
-    return rows, list(columns)
-
-
-def _head_json(text: str, n: int) -> list[dict] | None:
-    """The first ``n`` objects of JSON text: one a line, or the items of one array (read object by object,
-    so the text may stop mid-file); None where they are not objects read that way."""
-    decoder, rows = json.JSONDecoder(), []
-    body = text.lstrip()
-    if body.startswith("["):
-        i = len(text) - len(body) + 1
-        while len(rows) < n:
-            while i < len(text) and text[i] in " \t\r\n,":
-                i += 1
-            if i >= len(text) or text[i] == "]":
-                break
-            try:
-                row, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError:
-                break  # an object cut at HEAD_JSON_BYTES
-            rows.append(row)
-    else:
-        lines = text.splitlines()[:-1] if len(text) == HEAD_JSON_BYTES else text.splitlines()  # the last may be cut
-        for line in (x for x in lines if x.strip()):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                return None  # datasets may read what this does not (one object over several lines)
-            if len(rows) == n:
-                break
-    return rows if rows and all(isinstance(r, dict) for r in rows) else None
-
-
-def columns_refusal(path: str, mapping: dict | None, where: str, *, key: str = "dataset.columns") -> str | None:
-    """Why no prompt will come from the local dataset at ``path`` with the columns ``mapping`` (dataset.columns, at
-    ``key``), judged by its first HEAD_ROWS rows: a mapped column it does not have, no question column, or no
-    row of them yielding a question. None when one does, or they cannot be read cheaply (``head_rows``). The
-    reason is headed by ``where`` (the config key of the dataset and its path)."""
-    try:
-        head = head_rows(path)
-        if head is None:
-            return None
-        rows, columns = head
-        if not rows:
-            return None  # an empty file: prepare_prompts says so
-        cols = find_columns(columns, mapping, where, key=key, sample=rows)
-    except PromptsError as e:  # _local_files' and find_columns', the first headed by the path: where names it
-        why = str(e)
-        for prefix in (f"dataset {path!r}: ", f"dataset directory {path!r} "):
-            why = why.removeprefix(prefix)
-        return why if why.startswith((where, key)) else f"{where}: {why}"
-    except (OSError, UnicodeDecodeError, EOFError, ValueError, csv.Error) as e:  # ValueError: pyarrow's ArrowInvalid
-        return f"{where}: cannot read it: {e}"
-    reasons = []
-    for row in rows:
-        try:
-            extract_messages(row, fmt=cols.column, kind=cols.kind)
-            if cols.id:
-                row_id(row, cols.id)
-            return None
-        except RowError as e:
-            reasons.append(str(e))
-    mapped = f"{key}.{'conversation' if cols.kind == 'turns' else 'question'}"
-    return (f"{where}: none of its first {len(rows)} rows holds a question in column {cols.column!r} "
-            f"(e.g. {reasons[0]}); found columns {columns}; set {mapped} to the column that holds it "
-            f"(question: plain text, conversation: a list of turns)")
-
-
-# ---------------------------------------------------------------------------------------------
 # The stage
 
 
@@ -596,27 +70,17 @@ def _check_sizes(shards, limit, heldout) -> None:
         raise PromptsError(f"heldout must be an integer >= 0, got {heldout!r}")
 
 
-def _open_dataset(path: str, split: str, cache_dir, subset, progress: bool, mapping: dict, key: str):
-    """(rows, n_rows, Columns) of the dataset; PromptsError when it is empty or has no question column."""
-    mapped = [c for c in (mapping or {}).values() if c is not None]
-    with _datasets_progress(progress):
-        rows, n_rows, columns = _load(path, split, cache_dir, subset, mapped)
-    if n_rows == 0:
-        raise PromptsError(f"dataset {path!r} has no rows; check the file (or the split, for a hub dataset)")
-    return rows, n_rows, find_columns(columns, mapping, f"dataset {path!r}", key=key)
-
-
 def _row_messages(row, cols: Columns, keep_system, max_prompt_chars, seen, max_turns=1):
     """(the kept messages of one row, its tools (None: none), its id, the hash of both, the user turns dropped);
     RowError (its reason) when the row is dropped. ``seen``: the ids and hashes kept so far."""
-    if row is _BAD_LINE:
+    if row is BAD_LINE:
         _bad_line()
     messages = extract_messages(row, keep_system, fmt=cols.column, kind=cols.kind)
     tools, dropped = None, 0
     if cols.kind == "turns":
         if max_turns > 1:
             turns, tools, dropped = conversation(row, cols.column, keep_system, max_turns)
-            if _asks_turns(turns, tools):
+            if asks_turns(turns, tools):
                 messages = turns
             else:
                 tools = None
@@ -659,7 +123,7 @@ def _select(rows, n_rows, cols: Columns, path, *, keep_system, max_prompt_chars,
         record = {"id": pid, "source": source, "messages": messages}
         if tools:
             record["tools"] = tools
-        conversations += _asks_turns(messages, tools)
+        conversations += asks_turns(messages, tools)
         line = json.dumps(record, ensure_ascii=False)
         key = shuffle_key(seed, pid)
         if cap is None:
@@ -708,7 +172,7 @@ def prepare_prompts(out_dir, settings: PromptSettings | None = None, *, progress
     path, shards, split, limit, heldout, seed = str(s.path), s.shards, s.split, s.limit, s.heldout, s.seed
     keep_system, max_prompt_chars, cache_dir = s.keep_system, s.max_prompt_chars, s.cache_dir
     _check_sizes(shards, limit, heldout)
-    rows, n_rows, cols = _open_dataset(path, split, cache_dir, subset, progress, s.columns, columns_key)
+    rows, n_rows, cols = open_dataset(path, split, cache_dir, subset, progress, s.columns, columns_key)
     fmt = cols.column
     ordered, kept, dropped, examples, conversations, turns_dropped = _select(
         rows, n_rows, cols, path, keep_system=keep_system, max_prompt_chars=max_prompt_chars, seed=seed,
@@ -794,22 +258,6 @@ def _write_lines(path: Path, lines: list[str]) -> None:
 def _bar(total: int, progress: bool):
     return progress_bar(total=total, desc="prompts", unit="row",
                         disable=not progress or total < PROGRESS_MIN_ROWS)
-
-
-@contextlib.contextmanager
-def _datasets_progress(progress: bool):
-    """Silence datasets' own bars when progress is off or stderr is a log file (they redraw with a
-    carriage return per update; our own bar reports in plain lines), and put their state back afterwards."""
-    import datasets
-    was_disabled = datasets.are_progress_bars_disabled()
-    silence = (not progress or not sys.stderr.isatty()) and not was_disabled
-    if silence:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if silence:
-            datasets.enable_progress_bars()
 
 
 def read_prompt_shard(path):
