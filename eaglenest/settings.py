@@ -165,16 +165,6 @@ class GenerationSettings(Stage):
     backoff_max: float = setting("generation.backoff_max", reruns=False)
     max_error_fraction: float = setting("generation.max_error_fraction", reruns=False)
 
-    def section(self) -> dict:
-        """The `generation:` section as the trace client reads it (a dict, without the model and the
-        conversation limits)."""
-        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("model", *CONVERSATION_KEYS)}
-
-    def conversation(self) -> dict:
-        """The conversation limits as the trace client reads them: {max_turns, max_context_tokens}."""
-        return {k: getattr(self, k) for k in CONVERSATION_KEYS}
-
 
 # GenerationSettings' fields from dataset: that end a conversation's regeneration.
 CONVERSATION_KEYS = ("max_turns", "max_context_tokens")

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from eaglenest.data.conversations import ENDINGS, assistant_message, ending, request_messages
 from eaglenest.data.prompts import prepare_prompts, read_prompt_shard, summary
-from eaglenest.data.traces import fingerprint, generate_shard
-from eaglenest.settings import PromptSettings
+from eaglenest.data.traces import answers_key, generate_shard
+from eaglenest.settings import GenerationSettings, PromptSettings
 from eaglenest.states.target import chat_prompt_ids
 from tests.support.config import TOY_TARGET
 
@@ -32,6 +32,11 @@ ADD = {"type": "function", "function": {"name": "add", "description": "add two n
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 # The pythonic call the tool conversation's answers are held to (vLLM's structured outputs).
 CALL = {"structured_outputs": {"regex": r"\[add\(a=1, b=2\)\]"}}
+
+
+def settings(generation=GENERATION, limits=LIMITS):
+    """The toy's GenerationSettings: ``generation``'s keys and the conversation ``limits`` over the defaults."""
+    return GenerationSettings.defaults().replace(model="toy", **generation, **limits)
 
 
 def chat(*turns, system=None, **extra):
@@ -91,11 +96,10 @@ def traces(toy_server, tmp_path_factory):
     url = cfg.url_at(cfg.port)
     tmp = tmp_path_factory.mktemp("conversations")
     _, prompts = _prepare(tmp, ROWS, max_turns=3)
-    plain = generate_shard(_shard(tmp / "plain.jsonl", prompts.values()), tmp / "traces/plain.jsonl", urls=[url],
-                           model="toy", generation=GENERATION, conversation=LIMITS, progress=False)
-    called = generate_shard(_shard(tmp / "called.jsonl", [prompts["tool"]]), tmp / "traces/called.jsonl", urls=[url],
-                            model="toy", generation={**GENERATION, "extra_body": CALL}, conversation=LIMITS,
-                            progress=False)
+    plain = generate_shard(_shard(tmp / "plain.jsonl", prompts.values()), tmp / "traces/plain.jsonl", settings(),
+                           urls=[url], progress=False)
+    called = generate_shard(_shard(tmp / "called.jsonl", [prompts["tool"]]), tmp / "traces/called.jsonl",
+                            settings({**GENERATION, "extra_body": CALL}), urls=[url], progress=False)
     return {"prompts": prompts, "plain": {r["id"]: r for r in _lines(tmp / "traces/plain.jsonl")}, "plain_stats": plain,
             "called": _lines(tmp / "traces/called.jsonl")[0], "called_stats": called}
 
@@ -211,9 +215,9 @@ def test_where_a_conversation_ends_given_the_targets_answers():
 
 
 def test_limits_name_the_partial_file_of_conversations_only():
-    plain = fingerprint("toy", GENERATION)
-    assert fingerprint("toy", GENERATION, LIMITS) != plain != fingerprint("toy", GENERATION, {**LIMITS, "max_turns": 2})
-    assert fingerprint("toy", GENERATION, LIMITS) != fingerprint("toy", GENERATION, {**LIMITS, "max_context_tokens": None})
+    key = answers_key(settings(), conversations=True)
+    assert key != answers_key(settings()) != answers_key(settings(limits={**LIMITS, "max_turns": 2}), conversations=True)
+    assert key != answers_key(settings(limits={**LIMITS, "max_context_tokens": None}), conversations=True)
 
 
 # -- kill -9 mid-conversation ----------------------------------------------------------------------
@@ -221,8 +225,9 @@ def test_limits_name_the_partial_file_of_conversations_only():
 CLIENT = """
 import json, sys
 from eaglenest.data.traces import generate_shard
-generate_shard(sys.argv[1], sys.argv[2], urls=[sys.argv[3]], model="toy", generation=json.loads(sys.argv[4]),
-               conversation=json.loads(sys.argv[5]), progress=False)
+from eaglenest.settings import GenerationSettings
+settings = GenerationSettings.defaults().replace(model="toy", **json.loads(sys.argv[4]), **json.loads(sys.argv[5]))
+generate_shard(sys.argv[1], sys.argv[2], settings, urls=[sys.argv[3]], progress=False)
 """
 
 
@@ -270,8 +275,7 @@ def test_kill_9_mid_conversation_then_rerun_asks_every_turn_once(toy_server, tmp
     open_turns = [t for t in before if t["turn_of"] not in finished]
     assert open_turns and len({(t["turn_of"], t["turn"]) for t in before}) == len(before)
 
-    stats = generate_shard(shard, out, urls=[url], model="toy", generation=generation, conversation=LIMITS,
-                           progress=False)
+    stats = generate_shard(shard, out, settings(generation), urls=[url], progress=False)
     records = {r["id"]: r for r in _lines(out)}
     assert sorted(records) == sorted(prompts) and all(len(r["turns"]) == 3 for r in records.values())
     total = sum(len(r["turns"]) for r in records.values())

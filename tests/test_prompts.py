@@ -6,8 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.data.prompts import (REASONS, PromptsError, RowError, columns_refusal, extract_messages, prepare_prompts,
-                                    prompt_id, same_prompts, shard_number)
+from eaglenest.data.datasets import columns_refusal
+from eaglenest.data.messages import extract_messages, prompt_id
+from eaglenest.data.prompts import REASONS, PromptsError, RowError, prepare_prompts, same_prompts, shard_number
 from eaglenest.settings import PromptSettings
 
 

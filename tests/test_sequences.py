@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from eaglenest.data.sequences import read_training_sequences, training_sequences
 from eaglenest.errors import TraceRecordError
 from eaglenest.settings import HiddenSettings
-from eaglenest.states.hidden import HiddenShards, extract_hidden, shard_sequences
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.shards import HiddenShards, shard_sequences
 from tests.support.config import TOY_TARGET
 from tests.support.conversations import REASONING_TEMPLATE, conversation_record, data_turn_tokens
 

@@ -436,7 +436,7 @@ def test_a_resume_point_whose_kept_draft_is_gone_is_not_used(data, tmp_path, mon
 def test_batches_carry_the_loss_plan_of_the_models_runtime(data):
     """The loader reads the model's resolved Runtime, not the config: the fused loss's plan, with the chains
     only where the model runs the later TTT steps at them (skip_unscored on the flex path with diag_split)."""
-    from eaglenest.states.hidden import HiddenShards
+    from eaglenest.states.shards import HiddenShards
 
     shards = HiddenShards(data["hidden_paths"])
     lengths = [shards.length(k) for k in range(len(shards))]

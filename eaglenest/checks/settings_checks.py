@@ -8,7 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..data.prompts import columns_refusal, is_local_dataset
+from ..data.datasets import columns_refusal, is_local_dataset
 from ..errors import ConfigError
 from ..plan import RunSettings, human_bytes
 from ..serving.slurm_cluster import slurm_time_ok

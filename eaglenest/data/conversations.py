@@ -1,5 +1,5 @@
 """Conversations regenerated turn by turn: the target answers each assistant slot of a prompt record
-(``prompts.conversation``) given the conversation so far with its own earlier answers.
+(``messages.conversation``) given the conversation so far with its own earlier answers.
 
 A conversation's prompt record holds the data's system, user and tool turns and an assistant slot for
 each answer ({"role": "assistant"}, with the data's "tool_calls" where the data called tools). Turn k's
@@ -32,7 +32,7 @@ TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too lo
 
 
 def is_conversation(prompt: dict) -> bool:
-    """Whether a prompt record is a conversation's (prompts.conversation) rather than a single question's."""
+    """Whether a prompt record is a conversation's (messages.conversation) rather than a single question's."""
     return bool(prompt.get("tools")) or any(is_slot(m) for m in prompt["messages"])
 
 
@@ -173,11 +173,12 @@ def turns_of(lines: list[dict]) -> tuple[list[dict], list[dict]]:
 
 async def converse(run, prompt: dict, lines: list[dict]):
     """Answer a conversation's remaining turns on ``run`` (traces._ShardRun: its ``post``, ``parse``,
-    partial file and stats), from the turn lines resumed (``lines``); append the record once it ends."""
+    partial file and stats; its settings' limits), from the turn lines resumed (``lines``); append the
+    record once it ends."""
     turns, lines = turns_of(lines)
-    limits = run.conversation
+    settings = run.settings
     while True:
-        ended = ending(prompt, turns, limits["max_turns"])
+        ended = ending(prompt, turns, settings.max_turns)
         if ended is not None:
             break
         k = len(turns)
@@ -193,7 +194,7 @@ async def converse(run, prompt: dict, lines: list[dict]):
         if parsed is None:
             return
         turn = turn_of(*parsed)
-        if over_context(turn, k, run.gen["max_tokens"], limits["max_context_tokens"]):
+        if over_context(turn, k, settings.max_tokens, settings.max_context_tokens):
             ended = "context"
             break
         line = turn_line(prompt["id"], k, turn, latency, server.url, attempt)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..states.hidden import HiddenShards
+from ..states.shards import HiddenShards
 from ..states.source import StateSource
 from ..settings import TrainSettings
 from ..states.target import TargetFacts, load_target_head, resolve_device

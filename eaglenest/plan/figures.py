@@ -163,16 +163,16 @@ def validation_refusal(plan: "Plan", limit_minutes: int | None) -> str | None:
 
 def answers_fingerprint(run: RunSettings) -> str:
     """The fingerprint trace shards of this config carry: its served model and answer settings."""
-    from ..data.traces import fingerprint
+    from ..data.traces import answers_key
 
-    return fingerprint(run.generation.model, run.generation.section())
+    return answers_key(run.generation)
 
 
 def measured_rate(workdir: Path, prompts: int | None, fingerprint: str | None = None) -> dict | None:
     """From the finished trace shards' stats: records done, their answers (a conversation's turns each), requests
     per second over their runs, and the seconds the rest would take at that rate, each record costing as many
     requests as the done ones did on average. None before any shard has stats. ``fingerprint``: only shards
-    answered by this target with these answer settings count (eaglenest.data.traces.fingerprint)."""
+    answered by this target with these answer settings count (eaglenest.data.traces.answers_key)."""
     done = answers = answered = 0
     wall = 0.0
     for f in sorted((workdir / "traces").glob("shard_*.stats.json")):

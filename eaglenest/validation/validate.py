@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from ..config import defaults, matrix_temperatures
-from ..data.traces import GENERATION_DEFAULTS, answer_prompts
+from ..serving.chat import GENERATION_DEFAULTS, answer_prompts
 from ..draft.dflash_format import config_from_json, speculative_tokens
 from ..draft.vllm_format import flat_config, how_to_serve, kind_of
 from ..errors import ServerError, TracesError, ValidationError
