@@ -132,9 +132,9 @@ def test_ngram_ahead_per_drafted_step_only_is_no_finding():
 
 
 def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
-    from tests.test_report import _report
+    from tests.support.reports import sample_report
 
-    r = _report(matrix=_runs())
+    r = sample_report(matrix=_runs())
     assert {w["kind"] for w in r["warnings"]} >= {"not_lossless", "matrix_ngram", "matrix_drop"}
     write_report(r, tmp_path / "v.json", tmp_path / "v.html", csv_path=tmp_path / "v.csv")
     page = (tmp_path / "v.html").read_text()

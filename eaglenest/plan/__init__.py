@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..config import matrix_temperatures
 from ..data.prompts import same_prompts
 from ..gguf import is_gguf
 from ..gpus import GPU_MEMORY_GIB, known_gpu, nvidia_smi
@@ -28,6 +27,7 @@ from ..serving.settings import ServerConfig
 from ..serving.slurm import SlurmSettings
 from ..serving.slurm import server_gpus as slurm_server_gpus
 from ..states.preflight import bytes_per_token, target_config
+from ..validation.matrix import matrix_temperatures
 
 # files mode needs more than this, or more than the free disk: the plan suggests stream mode.
 SUGGEST_STREAM_BYTES = 10**12
