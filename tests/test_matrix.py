@@ -76,7 +76,7 @@ def _runs():
     runs = {"baseline": {"cells": base, "vllm_version": "0.32.0"}, "eagle3": {"cells": eagle, "vllm_version": "0.32.0"},
             "ngram": {"cells": ngram, "vllm_version": "0.32.0"}}
     sets = [{"name": "heldout", "path": "h.jsonl", "prompts": 4}, {"name": "new_forms", "path": "n.jsonl", "prompts": 4}]
-    return build_matrix(runs, sets=sets, temperatures=[0.0, 1.0], top_p=1.0, seed=0, k=3,
+    return build_matrix(runs, sets=sets, temperatures=[0.0, 1.0], top_p=1.0, seed=0, k=3, warn_below=0.8,
                         offline={"acceptance_length": 3.5, "tokens_per_step": 3.45})
 
 

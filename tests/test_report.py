@@ -12,7 +12,7 @@ from eaglenest.validation import report
 from eaglenest.validation.plots import bar_chart, line_chart, nice_ticks
 from eaglenest.validation.page import render_html
 from eaglenest.validation.report import export_differences, findings, read_train_metrics, train_summary, write_report
-from tests.support.reports import CURVES, RUNS, sample_report
+from tests.support.reports import CURVES, RUNS, WARN_BELOW, sample_report
 from tests.support.training_run import run
 
 
@@ -37,10 +37,10 @@ def test_report_holds_the_promised_keys():
 def test_disagreement_warning_fires_below_80_percent():
     # by tokens per target step: vLLM's per-drafted-step figures here would say the opposite each time
     assert not [w for w in findings({"eagle3": {"tokens_per_step": 2.01, "acceptance_length": 1.5},
-                                     "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})
+                                     "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}}, WARN_BELOW)
                 if w["kind"] == "disagreement"]  # 80.4%
     low = findings({"eagle3": {"tokens_per_step": 1.99, "acceptance_length": 2.5},
-                    "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})  # 79.6%
+                    "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}}, WARN_BELOW)  # 79.6%
     (w,) = [w for w in low if w["kind"] == "disagreement"]
     assert "makes 1.990 tokens per target step, 80% of the offline prediction's 2.500 (below 80%" in w["message"]
     assert "acceptance length per drafted step (vLLM's figure): vLLM 2.500, offline 2.500" in w["message"]
@@ -109,9 +109,9 @@ def test_log_ticks_are_round():
 
 def test_load_warning_names_unreliable_throughput(monkeypatch):
     monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
-    busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}})
+    busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}}, WARN_BELOW)
     assert [w["kind"] for w in busy] == ["load"] and "unreliable" in busy[0]["message"]
-    assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
+    assert findings({"baseline": {"load_average": [1.0, 2.5]}}, WARN_BELOW) == []
 
 
 def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
@@ -135,7 +135,7 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
     assert any("aux layer ids" in x for x in diffs) and any("norm_before_residual" in x for x in diffs)
     assert any("not offsets" in x for x in diffs)
     found = findings({"eagle3": {"tokens_per_step": 1.0}, "offline": {"tokens_per_step": 2.0},
-                      "checks": {"export_vs_training": diffs}})
+                      "checks": {"export_vs_training": diffs}}, WARN_BELOW)
     assert [w["kind"] for w in found] == ["disagreement", "export"]
     causes = found[0]["causes"]
     assert "FOUND" in causes[0] and "FOUND" in causes[1] and "FOUND" in causes[2]
@@ -162,7 +162,7 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     assert checks["prompt_template_mismatches"] == 1 and checks["finish_reasons"] == {"stop": 2}
     assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
     assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")
-    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2})] == ["template", "dtype"]
+    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2}, WARN_BELOW)] == ["template", "dtype"]
 
 
 def test_speed_warning_follows_the_one_request_speed_up():

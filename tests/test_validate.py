@@ -41,7 +41,8 @@ def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
 
     srv = ServerConfig(model="x", extra_args=["--speculative-config", "{}"])
     with pytest.raises(ValidationError, match="server.extra_args"):
-        runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], {}, log_dir=tmp_path)
+        runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], {}, log_dir=tmp_path,
+                         concurrency=8, warmup_requests=0, min_seconds=0.0)
 
 
 def test_validate_settings_read_every_key_with_the_schemas_defaults():
@@ -282,8 +283,8 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     cells = [{"set": "heldout", "temperature": 0.0, "prompts": prompts, "settings": {}, "headline": True},
              {"set": "heldout", "temperature": 1.0, "prompts": prompts, "settings": {}}]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, warmup_requests=0,
-                        cells=cells, log=lambda m: None)
+    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, concurrency=8,
+                        warmup_requests=0, min_seconds=0.0, cells=cells, log=lambda m: None)
     # 6 requests, 60 tokens, 18 accepted: 60 - 6 - 18 = 36 steps, 18 of them drafted
     assert (run["counted_requests"], run["counted_completion_tokens"], run["decode_steps"]) == (6, 60, 36)
     assert run["tokens_per_step"] == pytest.approx(54 / 36) and run["drafted_share"] == pytest.approx(0.5)

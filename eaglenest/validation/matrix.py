@@ -63,7 +63,7 @@ def _difference(score, reference) -> float | None:
     return score - reference if score is not None and reference is not None else None
 
 
-def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, offline=None, warn_below=0.8) -> dict:
+def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, warn_below: float, offline=None) -> dict:
     """``validation.json``'s ``matrix``: the sets, the temperatures, one row per run × set × temperature
     (``cells``), and the offline prediction (held-out set, T=0) beside them."""
     base = {(c["set"], c["temperature"]): c for c in runs.get(BASELINE, {}).get("cells", [])}

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import defaults
 from ..draft.vllm_format import (PARALLEL_KEYS, SWITCHES, config_value, draft_config_from_json, flat_config,
                                   state_dict_from_vllm)
 from .matrix import PER_DRAFTED_STEP, matrix_findings, per_drafted_step, write_csv
@@ -34,7 +33,6 @@ from .page import one_request_tps, ratio, render_html
 # ----------------------------------------------------------------------------- the findings
 
 # vLLM's tokens per target step below this share of the offline prediction's is reported as a disagreement.
-WARN_BELOW = defaults("validate")["warn_below"]
 # Two formats of the same weights served by vLLM at greedy decoding: tokens per target step this close.
 FORMATS_TOLERANCE = 0.01
 # The usual reasons a draft does worse in vLLM than offline or than in training, each with the
@@ -151,9 +149,9 @@ def _evidence(report: dict) -> dict:
     return notes
 
 
-def findings(report: dict, warn_below: float = WARN_BELOW) -> list[dict]:
+def findings(report: dict, warn_below: float) -> list[dict]:
     """Warnings in words: the vLLM/offline disagreement first (with its likely causes and what the
-    checks say about each), then notes."""
+    checks say about each), then notes. ``warn_below``: validate.warn_below."""
     out = []
     e, o, n, t = (report.get(key) or {} for key in ("eagle3", "offline", "ngram", "train"))
     checks = report.get("checks") or {}
@@ -280,7 +278,7 @@ def format_agreement(formats: dict) -> dict | None:
 
 
 def build_report(*, target, draft_dir, k, prompts, max_tokens, runs: dict, offline: dict, train: dict,
-                 checks: dict, settings: dict, warn_below=WARN_BELOW, formats: dict | None = None,
+                 checks: dict, settings: dict, warn_below: float, formats: dict | None = None,
                  matrix: dict | None = None, curve: dict | None = None) -> dict:
     """The validation.json dict (answers dropped) with the speed-up, agreement and warnings.
     ``formats``: ``{export format: run name}`` of the EAGLE-3 runs (default: vLLM's format, "eagle3").

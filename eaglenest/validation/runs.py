@@ -38,8 +38,8 @@ def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) ->
     return out
 
 
-def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency=8,
-                warmup_requests=2, min_seconds=0.0, workflow_pid=None, log=print, k=None, one_request_runs=1,
+def measure_run(name, server: ServerConfig, spec: dict | None, prompts, settings, *, log_dir, concurrency: int,
+                warmup_requests: int, min_seconds: float, workflow_pid=None, log=print, k=None, one_request_runs=1,
                 cells=(), before_stop=None) -> dict:
     """Start vLLM (``server.model``, with ``spec`` as its --speculative-config), send the prompts, read
     the counters around the timed requests, and stop the server (its whole process group) always.

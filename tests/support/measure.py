@@ -18,7 +18,7 @@ def measure_draft(name, wd: Path, cfg: dict, spec: dict, *, server: dict | None 
     run = measure_run(name, ServerConfig.from_dict(server or cfg["server"]), spec,
                       read_prompts(wd / "data/prompts/heldout.jsonl"), request_settings(cfg["generation"]["max_tokens"]),
                       log_dir=log_dir or wd / "logs/validate", concurrency=8, warmup_requests=1,
-                      workflow_pid=os.getpid())
+                      min_seconds=0.0, workflow_pid=os.getpid())
     return {k: v for k, v in run.items() if k != "answers"}
 
 

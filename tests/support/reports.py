@@ -1,6 +1,9 @@
 """A validation report to test its readers on: three runs, an offline prediction and training curves
 (``sample_report``), built as validate_draft builds it."""
+from eaglenest.settings import ValidateSettings
 from eaglenest.validation.report import build_report, train_summary
+
+WARN_BELOW = ValidateSettings.defaults().warn_below  # validate.warn_below as the schema gives it
 
 # n-gram's acceptance length (per drafted step) is above EAGLE-3's, its tokens per target step far below: the
 # report must compare the latter (a finding would fire on the former).
@@ -28,6 +31,6 @@ def sample_report(**over):
     """build_report of RUNS, OFFLINE and CURVES, with ``over`` its keyword arguments changed."""
     kw = dict(target="toy/target", draft_dir="draft/checkpoint", k=3, prompts=40, max_tokens=256, runs=RUNS,
               offline=OFFLINE, train=train_summary(CURVES, 3), checks={"served_dtype": "bfloat16"},
-              settings={"concurrency": 8})
+              settings={"concurrency": 8}, warn_below=WARN_BELOW)
     kw.update(over)
     return build_report(**kw)
