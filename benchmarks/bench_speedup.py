@@ -33,8 +33,7 @@ from eaglenest.vllm_facts import speculative_config  # noqa: E402
 from eaglenest.validation.evalsets import read_prompts  # noqa: E402
 from eaglenest.validation.predict import ngram_acceptance  # noqa: E402
 from eaglenest.validation.requests import request_settings  # noqa: E402
-from eaglenest.validation.runs import measure_run  # noqa: E402
-from eaglenest.validation.validate import validation_server  # noqa: E402
+from eaglenest.validation.runs import measure_run, validation_server  # noqa: E402
 
 
 def main(argv=None) -> None:

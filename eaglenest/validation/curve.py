@@ -22,8 +22,7 @@ from ..settings import ValidateSettings
 from ..util import say, write_atomic
 from .evalsets import read_prompts
 from .requests import request_settings
-from .runs import measure_run
-from .validate import validation_server
+from .runs import measure_run, validation_server
 
 
 def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSettings | None = None, *,

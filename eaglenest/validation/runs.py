@@ -14,10 +14,17 @@ from ..errors import ValidationError
 from ..serving.lifecycle import wait_ready
 from ..serving.local import LocalPaths, start_local, stop_local
 from ..serving.settings import ServerConfig
+from ..settings import ValidateSettings
 from ..vllm_facts import SPECULATIVE_CONFIG_FLAGS, kv_cache_facts, served_dtype
 from .metrics import COUNTED_KEYS, counted_figures, counter_delta, settled_counters
 from .requests import one_request_speed, run_requests, sent_settings
 from .signals import reap, sigterm_stops_servers
+
+
+def validation_server(settings: ValidateSettings) -> ServerConfig:
+    """The server every validation run starts from: the generation server's settings, on validate.port where set."""
+    srv = ServerConfig.from_dict(settings.server)
+    return dataclasses.replace(srv, port=settings.port) if settings.port else srv
 
 
 def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) -> dict:

@@ -43,7 +43,7 @@ from .predict import offline_acceptance
 from .report import (build_report, cross_checks, export_differences, learning_curve, read_train_metrics, side_by_side,
                      train_summary, write_report)
 from .requests import request_settings
-from .runs import fmt, measure_cell, measure_run, steps_said
+from .runs import fmt, measure_cell, measure_run, steps_said, validation_server
 from .second_turns import has_second_turns, second_turns_markdown, second_turns_said, second_turns_section, turn_two_cells
 
 OFFLINE_SKIPPED = ("validate.offline.engine resolves to none (hidden.backend {backend}): the offline prediction needs the "
@@ -99,12 +99,6 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     for line in second_turns_said(second):
         log(f"validate_draft: {line}")
     return report
-
-
-def validation_server(settings: ValidateSettings) -> ServerConfig:
-    """The server every validation run starts from: the generation server's settings, on validate.port where set."""
-    srv = ServerConfig.from_dict(settings.server)
-    return dataclasses.replace(srv, port=settings.port) if settings.port else srv
 
 
 def draft_vocabulary(draft_dir) -> dict:
