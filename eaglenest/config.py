@@ -117,13 +117,6 @@ def resolve_shipped_paths(config: dict, workdir: str | Path, basedir: str | Path
     return notes
 
 
-def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
-    """validate.temperatures as validation measures them: null is 0 and generation.temperature, each once;
-    T=0 always (the headline and the offline check), sorted."""
-    temps = temperatures if temperatures is not None else [0.0, generation_temperature]
-    return sorted({float(t) for t in temps} | {0.0})
-
-
 def write_resolved_config(config: dict, path: str | Path, sources=(), notes=()) -> None:
     """Write the config a run uses (defaults filled in) as YAML, headed by the files it came from and
     ``notes`` (e.g. the paths found in the workflow's own directory, ``resolve_shipped_paths``)."""

@@ -139,7 +139,7 @@ def target_files():
 
 def evalset_files():
     """validate.datasets' local files are inputs of validate_draft, so editing one reruns it."""
-    return [d["path"] for d in VALIDATE.validate["datasets"] if os.path.exists(d["path"])]
+    return [d["path"] for d in VALIDATE.datasets if os.path.exists(d["path"])]
 
 
 def hidden_server_stopped():

@@ -10,7 +10,7 @@ import torch
 
 from eaglenest.draft import train
 from eaglenest.draft.checkpoint import load_checkpoint
-from tests.test_train import CONFIG, run
+from tests.support.training_run import CONFIG, run
 
 
 def torchrun(data, out, config, nproc):

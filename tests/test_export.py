@@ -7,10 +7,11 @@ import torch
 
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.config import KINDS
-from eaglenest.draft.export import export_draft, export_untrained, load_exported, write_draft
+from eaglenest.draft.export import export_draft, load_exported, write_draft
 from eaglenest.draft.vllm_format import ARCHITECTURE, FORMATS, flat_config, tensor_shapes, vllm_tensors
-from tests.test_model import make_model
-from tests.test_train import run
+from tests.support.tiny_draft import inputs, make_model
+from tests.support.training_run import run
+from tests.support.untrained import export_untrained
 
 REQUIRED_KEYS = {
     "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -54,7 +55,7 @@ def test_export_then_reload_is_identical(checkpoint, tmp_path):
 
 def test_untrained_export_has_the_same_shape(checkpoint, data, tmp_path):
     export_draft(checkpoint, tmp_path / "trained")
-    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "untrained", config={"ttt_length": 3})
+    export_untrained(data["vocab_path"], data["head_path"], tmp_path / "untrained")
     c1, t1 = load_exported(tmp_path / "trained")
     c2, t2 = load_exported(tmp_path / "untrained")
     assert c1 == c2
@@ -94,7 +95,6 @@ def test_eagle31_round_trips_through_either_format(fmt, tmp_path):
     from eaglenest.states.target import TargetFacts
     from eaglenest.validation.predict import load_exported_draft
     from eaglenest.validation.report import export_differences
-    from tests.test_model import inputs
 
     model = make_model(**KINDS["eagle3.1"])
     cfg = model.config

@@ -11,6 +11,7 @@ from eaglenest.states.hidden import extract_hidden
 from eaglenest.states.shards import DiskSpaceError, HiddenShards
 from eaglenest.states.target import load_target_head, save_target_head
 from eaglenest.settings import HiddenSettings
+from tests.support.shards import without_target_next
 from tests.support.tiny_target import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target
 
 def read_records(path):
@@ -90,17 +91,6 @@ def test_shard_is_plain_safetensors_of_the_estimated_size(target, tmp_path):
     assert int(tensors["target_next"].min()) >= 0 and int(tensors["target_next"].max()) < VOCAB
     assert 0 <= hidden.estimate_bytes(T, stats["sequences"], HIDDEN) - stats["bytes"] <= 4096
     assert not list(tmp_path.glob("*.partial"))
-
-
-def without_target_next(shard, out):
-    """``shard`` as eaglenest wrote it before target_next existed (same tensors and metadata, less that one)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(shard), "pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys() if k != "target_next"}, f.metadata()
-    save_file(tensors, str(out), meta)
-    return out
 
 
 def test_a_shard_from_before_target_next_is_read_without_it(target, tmp_path):

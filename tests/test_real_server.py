@@ -157,8 +157,10 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
     T=0 answer, user 2], token for token as the chat template renders it, and measured on the same server
     start (the target alone's hook) beside turn 1. Two requests: turn 1, then turn 2."""
     from eaglenest.serving.settings import ServerConfig
+    from eaglenest.settings import ValidateSettings
     from eaglenest.validation.evalsets import read_prompts, resolve_sets
-    from eaglenest.validation.validate import _matrix_cells, _second_turns, measure_cell, resolve_settings
+    from eaglenest.validation.runs import measure_cell
+    from eaglenest.validation.validate import _matrix_cells, _second_turns
 
     cfg, _ = toy_server
     url = f"http://{cfg.host}:{cfg.port}"
@@ -167,14 +169,15 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
                                                    {"role": "user", "content": "What is 189 * 2?"}]}
     heldout.write_text(json.dumps(row) + "\n")
     # 96 tokens: the toy's reasoning, then its answer, the context turn 2 must carry
-    s = resolve_settings({"temperatures": [0], "max_tokens": 96}, GENERATION)
-    cells = _matrix_cells(s, resolve_sets([], heldout), read_prompts(heldout), GENERATION, None, print)
+    s = ValidateSettings.defaults()
+    s = s.replace(temperatures=[0.0], max_tokens=96, generation={**s.generation, "request_timeout": GENERATION["request_timeout"]})
+    cells = _matrix_cells(s, [0.0], resolve_sets([], heldout), read_prompts(heldout), print)
     result = {"cells": [measure_cell(url, cfg.model_id, c) for c in cells]}
     (first,) = result["cells"][0]["answers"]
     assert first["content"] and first["reasoning"], first
     logs = []
     hooks = _second_turns({"baseline": (cfg.model, None, None)}, ServerConfig.from_dict({**BASE_CONFIG["server"], "port": cfg.port}),
-                          s, 3, cells, engine="transformers", log=logs.append)
+                          s, cells, engine="transformers", log=logs.append)
     hooks["baseline"](url, None, result)
     (two,) = result["second_turns"]
     assert (two["set"], two["turn"], two["prompts"], two["temperature"]) == ("heldout", 2, 1, 0)
@@ -186,8 +189,8 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
     assert two["answers"][0]["prompt_token_ids"] == expected
     assert any("heldout turn 2 at T=0: 1 prompts" in line for line in logs), logs
     # off, or with the target alone last (engine none: its answers come after the drafts' runs): not asked
-    assert _second_turns({"baseline": None}, cfg, {**s, "second_turns": False}, 3, cells, engine="transformers", log=print) == {}
-    assert _second_turns({"baseline": None}, cfg, s, 3, cells, engine="none", log=logs.append) == {}
+    assert _second_turns({"baseline": None}, cfg, s.replace(second_turns=False), cells, engine="transformers", log=print) == {}
+    assert _second_turns({"baseline": None}, cfg, s, cells, engine="none", log=logs.append) == {}
     assert "no second turns of heldout" in logs[-1]
 
 

@@ -170,7 +170,7 @@ def test_the_vllm_backend_and_stream_mode_write_the_same_masks(tok, tmp_path):
     from eaglenest.states.extract import extract_hidden_vllm
     from eaglenest.states.stream import open_stream
     from eaglenest.states.target import save_target_head
-    from tests.test_stream_stub import SeededStub
+    from tests.support.extraction_stub import SeededStub
 
     record = conversation_record(tok, WITH_TOOL, TOOL_ANSWERS, {"chat_template": REASONING_TEMPLATE})
     traces = tmp_path / "shard_0.jsonl"

@@ -14,16 +14,7 @@ from eaglenest.draft.checkpoint import load_checkpoint, resolve_config
 from eaglenest.draft.model import Runtime
 from eaglenest.draft.train import lr_at, target_distribution, train_draft
 from eaglenest.states.target import load_target_head
-
-CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
-
-
-def run(data, out, config=CONFIG):
-    return train_draft(
-        data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "train_metrics.csv",
-        head_path=data["head_path"], config=config, state_dir=out / ".train_state", device="cpu", progress=False,
-    )
-
+from tests.support.training_run import CONFIG, run
 
 def test_train_writes_checkpoint_and_metrics(data, tmp_path):
     stats = run(data, tmp_path)
@@ -202,7 +193,7 @@ def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tests.test_hidden import without_target_next
+    from tests.support.shards import without_target_next
 
     old = without_target_next(data["hidden_paths"][0], tmp_path / "old.safetensors")
     with safe_open(str(old), "pt") as f:

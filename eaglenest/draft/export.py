@@ -9,14 +9,12 @@ same module). Validation adds its figures to the card later (``validation.card``
 import json
 from pathlib import Path
 
-import torch
 
 from ..settings import ExportSettings
 from ..util import is_local_path, save_safetensors, say
 from .config import DraftConfig
 from .dflash import KIND as DFLASH
 from .dflash_format import write_dflash_draft
-from .model import Eagle3Draft
 from .vllm_format import (draft_config_from_json, draft_config_json, flat_config, format_tensors, is_speculators,
                           method_of, serve_line, speculators_config_json, verifier_of, vllm_tensors)
 
@@ -148,22 +146,6 @@ def export_dflash(tensors, cfg, info, train, out_dir, speculators_dir, card, dty
     if out_dir is None:
         raise ValueError("export_draft: a DFlash draft needs out_dir")
     return write_dflash_draft(out_dir, cfg, info, tensors, card, train, dtype)
-
-
-def export_untrained(vocab_path, head_path, out_dir, *, config=None, seed=0, card=None, dtype="bfloat16") -> dict:
-    """Export a randomly initialised draft of the shape ``train_draft`` would make with ``config``
-    (the training config dict): the baseline of the acceptance test. Returns the config."""
-    from ..states.target import load_target_head
-    from .checkpoint import draft_config, resolve_config
-    from .vocab import load_vocab
-
-    head, info = load_target_head(head_path)
-    d2t, t2d = load_vocab(vocab_path)
-    cfg = draft_config(info, len(d2t), resolve_config(config))
-    torch.manual_seed(seed)
-    model = Eagle3Draft(cfg)
-    model.set_target(head["embed_tokens.weight"], d2t, t2d)
-    return write_draft(out_dir, cfg, info, model.state_dict(), card, None, dtype)
 
 
 def load_exported(out_dir):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..config import matrix_temperatures
+from ..validation.matrix import matrix_temperatures
 from ..data.prompts import same_prompts
 from .run import RunSettings
 from .target import dataset_rows
