@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eaglenest.data.traces import generate_shard  # noqa: E402
+from eaglenest.settings import GenerationSettings  # noqa: E402
 
 MODEL = "stub-model"
 GENERATION = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}
@@ -52,8 +53,9 @@ def prompts(n):
 def run_eaglenest(url, shard, workdir, concurrency, progress):
     out = Path(workdir) / "traces" / "shard_bench.jsonl"
     t, c = time.perf_counter(), cpu_self()
-    stats = generate_shard(shard, out, urls=[url], model=MODEL, generation={**GENERATION, "concurrency": concurrency},
-                           progress=progress, max_error_fraction=0.0)
+    settings = GenerationSettings.defaults().replace(model=MODEL, **GENERATION, concurrency=concurrency,
+                                                     max_error_fraction=0.0)
+    stats = generate_shard(shard, out, settings, urls=[url], progress=progress)
     wall, cpu = time.perf_counter() - t, cpu_self() - c
     assert stats["completed"] == stats["requests"], stats
     out.unlink()  # the next round starts from scratch (no resume)

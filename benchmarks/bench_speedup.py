@@ -27,11 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eaglenest.config import load_config  # noqa: E402
-from eaglenest.draft.vllm_format import how_to_serve
-from eaglenest.serving.settings import ServerConfig  # noqa: E402
+from eaglenest.draft.vllm_format import how_to_serve  # noqa: E402
+from eaglenest.settings import ValidateSettings  # noqa: E402
 from eaglenest.vllm_facts import speculative_config  # noqa: E402
+from eaglenest.validation.evalsets import read_prompts  # noqa: E402
 from eaglenest.validation.predict import ngram_acceptance  # noqa: E402
-from eaglenest.validation.validate import measure_run, read_prompts, request_settings, resolve_settings  # noqa: E402
+from eaglenest.validation.requests import request_settings  # noqa: E402
+from eaglenest.validation.runs import measure_run, validation_server  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -43,24 +45,21 @@ def main(argv=None) -> None:
     ap.add_argument("--log-dir", default="logs/bench_speedup")
     args = ap.parse_args(argv)
 
-    config = load_config(args.config)
-    s = resolve_settings(config.get("validate"), config["generation"])
-    k = s["num_speculative_tokens"]
-    srv = ServerConfig.from_dict(config["server"])
-    if s.get("port"):
-        srv = dataclasses.replace(srv, port=s["port"])
+    s = ValidateSettings.from_config(load_config(args.config))
+    k = s.num_speculative_tokens
+    srv = validation_server(s)
     prompts = read_prompts(args.heldout)
-    settings = request_settings(s["max_tokens"], config["generation"])
+    settings = request_settings(s.request_max_tokens, s.generation)
     plan = {
         "baseline": (srv.model, speculative_config("baseline", k)),
         "eagle3": how_to_serve("vllm", args.draft, k, srv.model)[:2],
-        "ngram": (srv.model, speculative_config("ngram", k, ngram=s["ngram"])),
+        "ngram": (srv.model, speculative_config("ngram", k, ngram=s.ngram)),
     }
     results = {}
     for name, (model, spec) in plan.items():
         run_srv = dataclasses.replace(srv, model=model, served_model_name=srv.model_id)
-        r = measure_run(name, run_srv, spec, prompts, settings, log_dir=args.log_dir, concurrency=s["concurrency"],
-                        warmup_requests=s["warmup_requests"], min_seconds=s["min_seconds"],
+        r = measure_run(name, run_srv, spec, prompts, settings, log_dir=args.log_dir, concurrency=s.concurrency,
+                        warmup_requests=s.warmup_requests, min_seconds=s.min_seconds,
                         k=None if name in ("baseline", "ngram") else k, one_request_runs=args.runs)
         one = r["one_request"]
         runs = one.get("runs_output_tokens_per_s") or [one["output_tokens_per_s"]]
@@ -70,7 +69,7 @@ def main(argv=None) -> None:
                          "acceptance_length": r.get("acceptance_length"), "load_average": r["load_average"]}
         if name == "baseline":  # greedy answers: what n-gram's lookup would see, simulated offline
             greedy = [(a["prompt_token_ids"] or [], a["completion_token_ids"]) for a in r["answers"]]
-            offline = ngram_acceptance(greedy, k, s["ngram"]["prompt_lookup_min"], s["ngram"]["prompt_lookup_max"])
+            offline = ngram_acceptance(greedy, k, s.ngram["prompt_lookup_min"], s.ngram["prompt_lookup_max"])
 
     base = results["baseline"]["median"]
     print(f"\n{len(prompts)} held-out prompts, k={k}, one request at a time, {args.runs} runs per method "
@@ -79,7 +78,7 @@ def main(argv=None) -> None:
         al, steps, share = r["acceptance_length"], r["tokens_per_step"], r["drafted_share"]
         print(f"{name:9s} tok/s {', '.join(f'{v:.1f}' for v in r['one_request_tokens_per_s'])}  median {r['median']:.1f}"
               f"  speed-up ×{r['median'] / base:.2f}  {r['ms_per_token']:.2f} ms/token"
-              f"  ({s['concurrency']} in flight {r['concurrent_tokens_per_s']:.1f} tok/s)"
+              f"  ({s.concurrency} in flight {r['concurrent_tokens_per_s']:.1f} tok/s)"
               + f"  {steps:.3f} tokens per target step"
               + (f" (acceptance length per drafted step {al:.3f}, drafted on {share:.0%} of steps)" if al else "")
               + f"  load {r['load_average'][0]:.2f}->{r['load_average'][1]:.2f}")

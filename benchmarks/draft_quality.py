@@ -333,7 +333,7 @@ class PeerShards:
     def __new__(cls, hidden_paths, dtype):
         from speculators.train.data import BaseDataset
 
-        from eaglenest.states.hidden import HiddenShards
+        from eaglenest.states.shards import HiddenShards
 
         class _Shards(BaseDataset):
             def __init__(self):

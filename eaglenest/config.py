@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import field
 from pathlib import Path
 
 import yaml
@@ -48,12 +47,6 @@ def defaults(section: str = "") -> dict:
     for key in filter(None, section.split(".")):
         value = value[key]
     return copy.deepcopy(value)
-
-
-def schema_field(section: str, key: str):
-    """A dataclass field whose default is the schema's `section.key` default (one source of defaults)."""
-    value = defaults(section)[key]
-    return field(default_factory=lambda: copy.deepcopy(value))
 
 
 def _fill_defaults(schema: dict, value):
@@ -122,13 +115,6 @@ def resolve_shipped_paths(config: dict, workdir: str | Path, basedir: str | Path
             holder[name] = str(basedir / value)
             notes.append(f"{key} {value}: not in the working directory {workdir}, so the workflow's own {holder[name]}")
     return notes
-
-
-def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
-    """validate.temperatures as validation measures them: null is 0 and generation.temperature, each once;
-    T=0 always (the headline and the offline check), sorted."""
-    temps = temperatures if temperatures is not None else [0.0, generation_temperature]
-    return sorted({float(t) for t in temps} | {0.0})
 
 
 def write_resolved_config(config: dict, path: str | Path, sources=(), notes=()) -> None:

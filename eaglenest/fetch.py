@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .data.prompts import is_local_dataset
+from .data.datasets import is_local_dataset
 from .errors import EaglenestError, PromptsError
 from .gguf import MODELS_DIR
 from .serving.settings import looks_like_local_path

@@ -11,7 +11,7 @@ rewrites, what follows). A field declared ``reruns=False`` (where a job runs, ti
 is read by the stage but never reruns it.
 
 Adding a setting takes two places: the schema (type, default, description) and one field here.
-The generation server's settings are ``serving.settings.ServerConfig`` (the same pattern); this
+The generation server's settings are ``serving.settings.ServerConfig`` and ``SlurmSettings`` (Stages too); this
 module sits on the ground of the import graph and imports no stage package.
 docs/settings.md says which stage reads which section."""
 
@@ -100,6 +100,7 @@ class PromptSettings(Stage):
     seed: int = setting("dataset.seed")
     keep_system: bool = setting("dataset.keep_system")
     max_prompt_chars: int = setting("dataset.max_prompt_chars")
+    max_turns: int = setting("dataset.max_turns")  # assistant turns of a conversation kept; the user turns past them dropped
     columns: dict = setting("dataset.columns")  # the columns of the question and the id (None each: guessed)
     shards: int = setting("shards")
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)  # where datasets caches, not what it reads
@@ -154,6 +155,9 @@ class GenerationSettings(Stage):
     seed: int | None = setting("generation.seed")
     chat_template_kwargs: dict | None = setting("generation.chat_template_kwargs")
     extra_body: dict | None = setting("generation.extra_body")
+    # where a conversation's regeneration ends (eaglenest.data.conversations)
+    max_turns: int = setting("dataset.max_turns")
+    max_context_tokens: int | None = setting("dataset.max_context_tokens")
     concurrency: int = setting("generation.concurrency", reruns=False)
     request_timeout: float = setting("generation.request_timeout", reruns=False)
     max_retries: int = setting("generation.max_retries", reruns=False)
@@ -161,9 +165,9 @@ class GenerationSettings(Stage):
     backoff_max: float = setting("generation.backoff_max", reruns=False)
     max_error_fraction: float = setting("generation.max_error_fraction", reruns=False)
 
-    def section(self) -> dict:
-        """The `generation:` section as the trace client reads it (a dict, without the model)."""
-        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "model"}
+
+# GenerationSettings' fields from dataset: that end a conversation's regeneration.
+CONVERSATION_KEYS = ("max_turns", "max_context_tokens")
 
 
 # The generation server's keys that change the states the vLLM extraction server computes.
@@ -327,9 +331,27 @@ VALIDATION_GENERATION_KEYS = ("max_tokens", "temperature", "top_p", "chat_templa
 
 @dataclass(frozen=True)
 class ValidateSettings(Stage):
-    """validate_draft and curve_point: the servers, the requests, the offline prediction."""
+    """validate_draft and curve_point: the runs, the requests, the matrix, the offline prediction; the servers
+    and the target. Each ``validate:`` key is a field of its own name (docs/settings.md says what it does)."""
 
-    validate: dict = setting("validate")  # the `validate:` section (validation.validate resolves it)
+    num_speculative_tokens: int = setting("validate.num_speculative_tokens")
+    max_tokens: int | None = setting("validate.max_tokens")  # None: generation.max_tokens (request_max_tokens)
+    concurrency: int = setting("validate.concurrency")
+    warmup_requests: int = setting("validate.warmup_requests")
+    min_seconds: float = setting("validate.min_seconds")
+    port: int | None = setting("validate.port")  # None: server.port
+    gpus: int | None = setting("validate.gpus")  # the job's GPUs (the workflow reads them; they rerun it as before)
+    ngram: dict = setting("validate.ngram")  # vLLM's n-gram speculative config keys, sent as they are
+    offline: dict = setting("validate.offline")  # tokens, dtype, device, engine of the offline prediction
+    warn_below: float = setting("validate.warn_below")
+    temperatures: list[float] | None = setting("validate.temperatures")  # None: 0 and generation.temperature
+    top_p: float | None = setting("validate.top_p")  # None: generation.top_p (request_top_p)
+    seed: int | None = setting("validate.seed")
+    datasets: list[dict] = setting("validate.datasets")
+    second_turns: bool = setting("validate.second_turns")
+    matrix_prompts: int | None = setting("validate.matrix_prompts")
+    lossless_alpha: float = setting("validate.lossless_alpha")
+    lossless_tolerance: float = setting("validate.lossless_tolerance")
     server: dict = setting("server")  # the validation servers take the generation server's settings
     generation: dict = setting(lambda c: {k: c["generation"][k] for k in VALIDATION_GENERATION_KEYS},
                                reads=tuple(f"generation.{k}" for k in VALIDATION_GENERATION_KEYS))
@@ -340,14 +362,30 @@ class ValidateSettings(Stage):
     # Other exported drafts measured beside this run's: [{name, path}]. Not in the fingerprint (curve_point
     # shares it): validate_draft takes their directories as inputs and the list as a param of its own.
     other_drafts: list[dict] = setting("validate.drafts", reruns=False)
+    # The order the config wrote the validate: keys in: the fingerprint keeps it, as Snakemake compares the
+    # params' repr (a reordered section would rerun every validation).
+    key_order: tuple[str, ...] = setting(lambda c: tuple(c["validate"]), reads=("validate",), reruns=False)
+
+    @property
+    def request_max_tokens(self) -> int:
+        """The longest answer validation asks for: validate.max_tokens, else generation.max_tokens."""
+        return self.generation["max_tokens"] if self.max_tokens is None else self.max_tokens
+
+    @property
+    def request_top_p(self) -> float:
+        """The top_p of validation's sampled cells: validate.top_p, else generation.top_p."""
+        return self.generation["top_p"] if self.top_p is None else self.top_p
 
     def fingerprint(self) -> dict:
-        """All but validate.drafts, and validate.second_turns where on (the default), so that a validation made
-        before second turns were asked is not made again."""
+        """The ``validate:`` section as the config wrote it (validate.drafts, ``other_drafts``, is not in it), less
+        validate.second_turns where on (the default), so that a validation made before second turns were asked
+        is not made again; then the servers, the requests, the target and the offline prediction's dtype and
+        backend."""
         out = super().fingerprint()
-        out["validate"] = {k: v for k, v in out["validate"].items()
-                           if k != "drafts" and not (k == "second_turns" and v)}
-        return out
+        section = {k: out.pop(k) for k in self.key_order if k in out}
+        if section.get("second_turns"):
+            del section["second_turns"]
+        return {"validate": section, **out}
 
 
 def target_models(config: dict) -> list[str]:
@@ -379,3 +417,22 @@ class ExportSettings(Stage):
     def card(self) -> dict:
         """The model card's facts."""
         return {"dataset": self.dataset, "target": self.target, "license": self.license}
+
+
+@dataclass(frozen=True)
+class PlanSettings(Stage):
+    """The plan and the checks before any job (eaglenest.plan, eaglenest.checks): the `plan:` section's stand-ins
+    and rates, and the keys they read that no stage holds as a field of its own. No job reads them."""
+
+    hidden_size: int | None = setting("plan.hidden_size")  # the target's, until its config.json is here
+    weights_gb: float | None = setting("plan.weights_gb")  # the target's weights, until they are here
+    generate_tokens_per_s: float | None = setting("plan.generate_tokens_per_s")
+    decode_tokens_per_s: float | None = setting("plan.decode_tokens_per_s")
+    extract_tokens_per_s: float | None = setting("plan.extract_tokens_per_s")
+    train_tokens_per_s: float | None = setting("plan.train_tokens_per_s")
+    server_start_s: float = setting("plan.server_start_s")
+    validate_gpus: int | None = setting("validate.gpus")
+    validate_max_tokens: int | None = setting("validate.max_tokens")  # None: generation.max_tokens
+    validate_concurrency: int = setting("validate.concurrency")
+    temperatures: list = setting("validate.temperatures")
+    matrix_prompts: int | None = setting("validate.matrix_prompts")

@@ -10,6 +10,6 @@ from eaglenest.settings import GenerationSettings
 
 api_key = ServerConfig.from_config(snakemake.config).api_key()
 ready = check_sentinel(snakemake.input.ready, api_key)
-generate_shard(snakemake.input.prompts, snakemake.output.traces, urls=ready["urls"], model=ready["model"],
-               generation=GenerationSettings.from_config(snakemake.config).section(), api_key=api_key,
+settings = GenerationSettings.from_config(snakemake.config).replace(model=ready["model"])
+generate_shard(snakemake.input.prompts, snakemake.output.traces, settings, urls=ready["urls"], api_key=api_key,
                stats_path=snakemake.output.stats)

@@ -1,4 +1,4 @@
-"""Measure the exported draft in real vLLM (target alone, EAGLE-3, n-gram) against an offline prediction."""
+"""Measure the exported draft in real vLLM (beside the target alone, n-gram and validate.drafts) against an offline prediction."""
 import os
 
 from eaglenest.logs import to_log

@@ -20,7 +20,7 @@ from eaglenest.serving.lifecycle import stop_server
 from eaglenest.serving.local import read_pidfile, LocalPaths
 from eaglenest.serving.probe import probe
 from eaglenest.serving.settings import RUN_KEY_FILE, ServerConfig
-from eaglenest.serving.slurm import read_record, SlurmPaths
+from eaglenest.serving.slurm_jobs import read_record, SlurmPaths
 from tests.support.config import TOY_PROMPTS, write_config
 from tests.support.slurm import scontrol_job, slurm_command
 from tests.support.workflow import run_snakemake

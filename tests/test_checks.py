@@ -16,7 +16,8 @@ from eaglenest.config import validate_config
 from eaglenest.errors import ConfigError
 from eaglenest.gpus import known_gpu
 from eaglenest.plan import format_plan, make_plan
-from eaglenest.serving.slurm import SlurmSettings, cluster_partitions, partition_nodes, slurm_time_ok
+from eaglenest.serving.settings import SlurmSettings
+from eaglenest.serving.slurm_cluster import cluster_partitions, partition_nodes, slurm_time_ok
 from eaglenest.settings import PromptSettings
 
 ROOT = Path(__file__).resolve().parent.parent

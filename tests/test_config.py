@@ -57,13 +57,14 @@ def test_every_schema_default_reaches_the_code_unchanged():
     key is not given, is exactly the schema's default."""
     import dataclasses
 
-    from eaglenest.data import traces
     from eaglenest.draft.checkpoint import train_record
+    from eaglenest.settings import GenerationSettings
     from eaglenest.settings import TrainSettings
-    from eaglenest.validation import validate
+    from eaglenest.settings import ValidateSettings
+    from eaglenest.validation.matrix import matrix_temperatures
     from eaglenest.config import defaults
     from eaglenest.serving.settings import ServerConfig
-    from eaglenest.serving.slurm import SlurmSettings
+    from eaglenest.serving.settings import SlurmSettings
 
     resolved = validate_config({})
     assert defaults() == resolved
@@ -71,18 +72,21 @@ def test_every_schema_default_reaches_the_code_unchanged():
     assert ServerConfig.from_dict(resolved["server"]) == ServerConfig()
     assert dataclasses.asdict(SlurmSettings()) == resolved["server"]["slurm"]
     assert SlurmSettings.from_dict(resolved["server"]["slurm"]) == SlurmSettings()
-    # Numbers may come back as floats (0 and 0.0 must fingerprint alike); the values are the same.
-    assert traces._generation_settings({}) == resolved["generation"]
-    assert traces._generation_settings(resolved["generation"]) == resolved["generation"]
+    generation = GenerationSettings.defaults()
+    assert {k: getattr(generation, k) for k in resolved["generation"]} == resolved["generation"]
     shape = ("kind", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "norm_before_residual",
              "mask_token_id")
     assert train_record(TrainSettings.defaults()) == {**{k: v for k, v in resolved["train"].items() if k not in ("device", "gpus", "nproc")},
                                                       **{k: resolved["draft"][k] for k in shape}, "dflash": resolved["draft"]["dflash"]}
-    # The null defaults fall back to generation's: 0 and its temperature, its top_p.
-    assert validate.resolve_settings({}, {"max_tokens": 77}) == {**resolved["validate"], "max_tokens": 77,
-                                                                 "temperatures": [0.0], "top_p": 1.0}
-    assert validate.resolve_settings(resolved["validate"], resolved["generation"])["max_tokens"] == \
-        resolved["generation"]["max_tokens"]
+    # validate: each key a field of the stage, as the schema gives it; the null defaults fall back to
+    # generation's: its max_tokens and top_p, and 0 and its temperature.
+    stage = ValidateSettings.defaults()
+    assert {k: getattr(stage, k) for k in resolved["validate"] if k != "drafts"} == \
+        {k: x for k, x in resolved["validate"].items() if k != "drafts"}
+    assert stage.other_drafts == resolved["validate"]["drafts"]
+    assert (stage.request_max_tokens, stage.request_top_p) == (resolved["generation"]["max_tokens"],
+                                                              resolved["generation"]["top_p"])
+    assert matrix_temperatures(stage.temperatures, resolved["generation"]["temperature"]) == [0.0]
 
 
 def test_library_functions_take_their_stage_settings_instead_of_repeating_defaults():

@@ -11,7 +11,7 @@ from eaglenest.draft import train
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.launch import write_settings
 from tests.support.training import train_settings
-from tests.test_train import CONFIG, run
+from tests.support.training_run import CONFIG, run
 
 
 def torchrun(data, out, config, nproc):

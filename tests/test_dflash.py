@@ -148,7 +148,7 @@ def test_training_on_the_toys_answers_lowers_the_loss_and_drafts_what_the_target
 
     from eaglenest.draft.checkpoint import load_checkpoint
     from eaglenest.draft.train import train_draft
-    from eaglenest.states.hidden import HiddenShards
+    from eaglenest.states.shards import HiddenShards
     from eaglenest.states.target import load_target_head
 
     rows = list(csv.DictReader(open(toy_dflash / "metrics.csv")))

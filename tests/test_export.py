@@ -9,9 +9,9 @@ from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.config import KINDS
 from eaglenest.draft.export import export_draft, load_exported, write_draft
 from eaglenest.draft.vllm_format import ARCHITECTURE, FORMATS, flat_config, tensor_shapes, vllm_tensors
-from tests.support.drafts import export_untrained
-from tests.test_model import make_model
-from tests.test_train import run
+from tests.support.tiny_draft import inputs, make_model
+from tests.support.training_run import run
+from tests.support.untrained import export_untrained
 
 REQUIRED_KEYS = {
     "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -95,7 +95,6 @@ def test_eagle31_round_trips_through_either_format(fmt, tmp_path):
     from eaglenest.states.target import TargetFacts
     from eaglenest.validation.predict import load_exported_draft
     from eaglenest.validation.report import export_differences
-    from tests.test_model import inputs
 
     model = make_model(**KINDS["eagle3.1"])
     cfg = model.config

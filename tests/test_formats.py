@@ -25,7 +25,7 @@ from eaglenest.validation.predict import load_exported_draft
 from tests.support.config import TOY_TARGET, eager, write_config
 from tests.support.measure import K, measure_draft
 from tests.support.workflow import run_snakemake
-from tests.test_train import CONFIG, run
+from tests.support.training_run import CONFIG, run
 
 DRAFT_VOCAB = 48  # of the toy's 105 tokens
 WITHIN = 0.10  # vLLM's acceptance length against the offline prediction

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from eaglenest.vllm_facts import default_aux_layers
-from eaglenest.states import hidden
-from eaglenest.states.hidden import DiskSpaceError, HiddenShards, extract_hidden
+from eaglenest.states import hidden, shards
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.shards import DiskSpaceError, HiddenShards
 from eaglenest.states.target import load_target_head, save_target_head
 from eaglenest.settings import HiddenSettings
+from tests.support.shards import without_target_next
 from tests.support.tiny_target import HIDDEN, LAYERS, VOCAB, fake_traces, tiny_target
 
 def read_records(path):
@@ -91,17 +93,6 @@ def test_shard_is_plain_safetensors_of_the_estimated_size(target, tmp_path):
     assert not list(tmp_path.glob("*.partial"))
 
 
-def without_target_next(shard, out):
-    """``shard`` as eaglenest wrote it before target_next existed (same tensors and metadata, less that one)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(shard), "pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys() if k != "target_next"}, f.metadata()
-    save_file(tensors, str(out), meta)
-    return out
-
-
 def test_a_shard_from_before_target_next_is_read_without_it(target, tmp_path):
     new = tmp_path / "new.safetensors"
     extract_hidden(fake_traces(tmp_path / "t.jsonl"), new, HiddenSettings.defaults().replace(target=target), progress=False)
@@ -115,7 +106,7 @@ def test_a_shard_from_before_target_next_is_read_without_it(target, tmp_path):
 def test_refuses_when_disk_is_short(target, tmp_path, monkeypatch):
     traces = fake_traces(tmp_path / "t.jsonl")
     usage = type("Usage", (), {"free": 1000, "total": 10**9, "used": 0})
-    monkeypatch.setattr(hidden.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda path: usage)
     monkeypatch.setattr(hidden, "load_target", lambda *a, **k: pytest.fail("loaded the target before checking the disk"))
     out = tmp_path / "hidden" / "shard_0.safetensors"
     with pytest.raises(DiskSpaceError) as err:

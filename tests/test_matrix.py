@@ -76,7 +76,7 @@ def _runs():
     runs = {"baseline": {"cells": base, "vllm_version": "0.32.0"}, "eagle3": {"cells": eagle, "vllm_version": "0.32.0"},
             "ngram": {"cells": ngram, "vllm_version": "0.32.0"}}
     sets = [{"name": "heldout", "path": "h.jsonl", "prompts": 4}, {"name": "new_forms", "path": "n.jsonl", "prompts": 4}]
-    return build_matrix(runs, sets=sets, temperatures=[0.0, 1.0], top_p=1.0, seed=0, k=3,
+    return build_matrix(runs, sets=sets, temperatures=[0.0, 1.0], top_p=1.0, seed=0, k=3, warn_below=0.8,
                         offline={"acceptance_length": 3.5, "tokens_per_step": 3.45})
 
 
@@ -132,9 +132,9 @@ def test_ngram_ahead_per_drafted_step_only_is_no_finding():
 
 
 def test_the_report_opens_with_the_matrix_and_writes_its_csv(tmp_path):
-    from tests.test_report import _report
+    from tests.support.reports import sample_report
 
-    r = _report(matrix=_runs())
+    r = sample_report(matrix=_runs())
     assert {w["kind"] for w in r["warnings"]} >= {"not_lossless", "matrix_ngram", "matrix_drop"}
     write_report(r, tmp_path / "v.json", tmp_path / "v.html", csv_path=tmp_path / "v.csv")
     page = (tmp_path / "v.html").read_text()

@@ -11,29 +11,9 @@ from eaglenest.draft.losses import soft_cross_entropy, ttt_loss
 from eaglenest.draft.model import Eagle3Draft
 from eaglenest.draft.runtime import Runtime
 from eaglenest.draft.vllm_format import tensor_shapes
-from eaglenest.draft.vocab import maps_from_ids
+from tests.support.tiny_draft import H, V, VD, inputs, make_model
 
-V, VD, H, J = 50, 20, 32, 4
-
-
-def make_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    cfg = DraftConfig(
-        hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        **overrides,
-    )
-    model = Eagle3Draft(cfg)
-    for p in model.parameters():  # norms away from 1 so that every weight matters
-        torch.nn.init.normal_(p, std=0.3 if p.dim() == 1 else 0.2)
-    d2t, t2d = maps_from_ids(torch.arange(0, 2 * VD, 2), V)
-    model.set_target(torch.randn(V, H), d2t, t2d)
-    return model.eval()
-
-
-def inputs(B=2, T=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, 3 * H, generator=g)
+J = 4  # TTT steps
 
 
 def test_state_dict_is_vllms_tensors():

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from eaglenest.config import validate_config
-from eaglenest.plan import answers_fingerprint, format_plan, make_plan
+from eaglenest.plan import RunSettings, answers_fingerprint, format_plan, make_plan
 from eaglenest.plan.__main__ import main
 from eaglenest.states.preflight import bytes_per_token
 
@@ -126,7 +126,8 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
     assert "generation so far" not in format_plan(make_plan(config, tmp_path, has_gpu=True))
     (tmp_path / "traces").mkdir()
     shard = {"records": 300, "completed": 300, "wall_s": 60.0}
-    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(config)}))
+    fingerprint = answers_fingerprint(RunSettings.from_config(config))
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     plan = make_plan(config, tmp_path, has_gpu=True)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
     assert "300 traces at 5.00 requests/s; the rest about 1.0 min" in format_plan(plan)
@@ -136,7 +137,8 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
                                                        "generation": {"max_tokens": 256}, "hidden": {"max_length": 512},
                                                        "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
     mine = validate_config(yaml.safe_load((tmp_path / "cfg.yaml").read_text()))
-    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(mine)}))
+    fingerprint = answers_fingerprint(RunSettings.from_config(mine))
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
     assert "the rest about 1.0 min" in capsys.readouterr().out
 
@@ -148,9 +150,9 @@ def test_the_targets_own_hidden_size_wins_over_plan_hidden_size(tmp_path):
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30}))
     config = validate_config({"server": {"model": str(target)}, "plan": {"hidden_size": 4096}})
-    assert target_hidden_size(config) == (576, f"{target}'s config.json")
+    assert target_hidden_size(RunSettings.from_config(config)) == (576, f"{target}'s config.json")
     config["server"]["model"] = str(tmp_path / "not-here")  # no config.json: the stand-in
-    assert target_hidden_size(config) == (4096, "plan.hidden_size")
+    assert target_hidden_size(RunSettings.from_config(config)) == (4096, "plan.hidden_size")
 
 
 def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path):
@@ -170,7 +172,8 @@ def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path)
     # this config's own: both are read
     mine = {**toy_stats, "path": kimi["dataset"]["path"], "limit": kimi["dataset"]["limit"], "train": 49000}
     (tmp_path / "data/prompts/stats.json").write_text(json.dumps(mine))
-    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": answers_fingerprint(kimi)}))
+    fingerprint = answers_fingerprint(RunSettings.from_config(kimi))
+    (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     plan = make_plan(kimi, tmp_path, has_gpu=True)
     assert plan.prompts == 49000 and plan.measured["done"] == 300
 
@@ -276,7 +279,7 @@ def test_the_targets_weights_come_from_its_directory_or_the_hf_cache_before_plan
     (target / "model.safetensors").write_bytes(b"x" * 1000)
     (target / "sub" / "tokenizer.json").write_bytes(b"x" * 24)
     config = validate_config({"server": {"model": str(target)}, "plan": {"weights_gb": 5.0}})
-    assert target_weights(config) == (1024, f"{target}'s files")
+    assert target_weights(RunSettings.from_config(config)) == (1024, f"{target}'s files")
     cache = tmp_path / "hub"
     snap = cache / "models--org--big" / "snapshots" / ("0" * 40)
     snap.mkdir(parents=True)
@@ -285,9 +288,9 @@ def test_the_targets_weights_come_from_its_directory_or_the_hf_cache_before_plan
     (cache / "models--org--big" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     config["server"]["model"] = "org/big"
-    assert target_weights(config) == (7 * 10**9, "org/big's model.safetensors.index.json in the Hugging Face cache")
+    assert target_weights(RunSettings.from_config(config)) == (7 * 10**9, "org/big's model.safetensors.index.json in the Hugging Face cache")
     config["server"]["model"] = "org/not-cached"
-    assert target_weights(config) == (5 * 10**9, "plan.weights_gb")
+    assert target_weights(RunSettings.from_config(config)) == (5 * 10**9, "plan.weights_gb")
 
 
 def test_the_total_adds_the_stages_wall_time_gpu_hours_and_the_peak_disk_with_the_model(tmp_path):
@@ -352,7 +355,7 @@ def test_a_conversation_of_n_turns_costs_n_requests_and_their_tokens(tmp_path):
 
     (tmp_path / "traces").mkdir()
     shard = {"records": 100, "completed": 250, "wall_s": 50.0, "conversations": {"records": 80, "turns": 230},
-             "fingerprint": answers_fingerprint(config)}
+             "fingerprint": answers_fingerprint(RunSettings.from_config(config))}
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps(shard))
     measured = make_plan(changed(config, "dataset", "max_turns", 3), tmp_path, has_gpu=True)
     # 20 single answers and 230 turns of 80 conversations: 2.5 requests a record, 500 records left at 5 a second

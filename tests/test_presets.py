@@ -2,6 +2,7 @@
 
 Each preset is resolved as the workflow resolves it (a dry-run, which writes logs/config.resolved.yaml);
 the SLURM variants are dry-run through profiles/slurm with no nvidia-smi on PATH, as on a login node."""
+import dataclasses
 import os
 import re
 import shutil
@@ -16,7 +17,9 @@ from eaglenest.config import defaults, load_schema, resolve_shipped_paths, valid
 from eaglenest.errors import ConfigError
 from eaglenest.gguf import is_gguf
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.slurm import SlurmPaths, SlurmSettings, sbatch_command
+from eaglenest.serving.port import LAUNCHER
+from eaglenest.serving.settings import SlurmSettings
+from eaglenest.serving.slurm_jobs import SlurmPaths, batch_script, sbatch_command
 from eaglenest.settings import HiddenSettings, lookup
 from eaglenest.states.preflight import check_logits_memory, preflight_logits_memory, target_vocab_size
 
@@ -221,6 +224,44 @@ def test_a_slurm_preset_plans_its_gpus_and_partition_from_a_login_node(path, res
     server = ServerConfig.from_dict(cfg["server"])
     args = sbatch_command(server, SlurmSettings.from_dict(cfg["server"]["slurm"]), SlurmPaths(tmp_path), tmp_path)
     assert f"--partition={partition}" in args and f"--gres=gpu:{cfg['server']['slurm']['gpus']}" in args
+
+
+# A workflow directory that exists nowhere, so the job's name (a hash of its resolved record directory) is fixed.
+PINNED_WORKDIR = Path("/eaglenest-pinned/workdir")
+
+
+def test_the_server_jobs_batch_script_for_the_default_config_is_this_text():
+    """The script sbatch gets on stdin, to the byte: a rerun reuses a job only while this text (in the job's
+    settings hash) stays the same. This interpreter and the port launcher's path stand in as PYTHON and LAUNCHER."""
+    server = ServerConfig.from_config(validate_config(yaml.safe_load((ROOT / "config.yaml").read_text())))
+    script = batch_script(server, SlurmPaths(PINNED_WORKDIR / "logs" / "server"))
+    cmd = ("PYTHON -I LAUNCHER --host 0.0.0.0 --want auto --file /eaglenest-pinned/workdir/logs/server/port.json -- "
+           "PYTHON -m vllm.entrypoints.openai.api_server --model toy/target --host 0.0.0.0 --tensor-parallel-size 1 "
+           "--served-model-name toy --max-model-len 512 --reasoning-parser deepseek_r1 --kv-cache-memory-bytes "
+           "1073741824 --dtype float32 --distributed-executor-backend uni --enforce-eager "
+           "--middleware eaglenest.serving.guard.RequireApiKey")
+    assert script.replace(LAUNCHER, "LAUNCHER").replace(sys.executable, "PYTHON") == (
+        "#!/bin/bash\n"
+        "# eaglenest generation server (server.mode: slurm). An API key, if any, comes by environment.\n"
+        f"echo \"=== $(date '+%F %T') SLURM job $SLURM_JOB_ID on $(hostname): \"'{cmd}'\n"
+        f"exec {cmd}\n")
+
+
+def test_the_kimi_presets_sbatch_call_is_this_argument_list(monkeypatch):
+    """sbatch's arguments for configs/kimi-k2.5-int4.slurm.yaml, in order, the job's name included (a rerun
+    finds its job by that name); account and extra_sbatch_args come last, as given."""
+    monkeypatch.delenv("EAGLENEST_GPU_PARTITION", raising=False)
+    cfg = validate_config(yaml.safe_load((ROOT / "configs/kimi-k2.5-int4.slurm.yaml").read_text()))
+    server, settings = ServerConfig.from_config(cfg), SlurmSettings.from_dict(cfg["server"]["slurm"])
+    paths = SlurmPaths(PINNED_WORKDIR / "logs" / "server")
+    args = sbatch_command(server, settings, paths, PINNED_WORKDIR)
+    assert args == ["sbatch", "--parsable", "--job-name", "eaglenest-server-b7ceaf4e6d",
+                    "--output", "/eaglenest-pinned/workdir/logs/server/vllm.slurm-%j.log", "--open-mode=append",
+                    "--chdir", "/eaglenest-pinned/workdir", "--export=ALL", "--nodes=1", "--ntasks=1",
+                    "--cpus-per-task=64", "--time=48:00:00", "--gres=gpu:8", "--mem=900G", "--partition=gpu"]
+    settings = dataclasses.replace(settings, account="proj", extra_sbatch_args=["--qos=high", "--constraint", "h200"])
+    assert sbatch_command(server, settings, paths, PINNED_WORKDIR)[len(args):] == [
+        "--account=proj", "--qos=high", "--constraint", "h200"]
 
 
 def test_server_job_partition_falls_back_to_eaglenest_gpu_partition(tmp_path, monkeypatch):

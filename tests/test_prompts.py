@@ -6,8 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.data.prompts import (REASONS, PromptsError, RowError, columns_refusal, extract_messages, prepare_prompts,
-                                    prompt_id, same_prompts, shard_number)
+from eaglenest.data.datasets import columns_refusal
+from eaglenest.data.messages import extract_messages, prompt_id
+from eaglenest.data.prompts import REASONS, PromptsError, RowError, prepare_prompts, same_prompts, shard_number
 from eaglenest.settings import PromptSettings
 
 
@@ -257,12 +258,12 @@ def test_the_first_rows_of_a_directory_and_files_not_read_cheaply(tmp_path):
 
 
 def test_stats_made_with_another_column_mapping_are_not_this_configs():
-    config = {"dataset": {"path": "d.jsonl", "generate": {"questions": 0}, "seed": 0, "limit": None, "keep_system": False,
-                          "max_prompt_chars": 10, "columns": {"question": None, "conversation": None, "id": None}}}
+    settings = PromptSettings.defaults().replace(path="d.jsonl", seed=0, limit=None, keep_system=False, max_prompt_chars=10,
+                                                 columns={"question": None, "conversation": None, "id": None})
     made = {"path": "d.jsonl", "seed": 0, "limit": None, "keep_system": False, "max_prompt_chars": 10}
-    assert same_prompts(made, config)  # written before dataset.columns: every column guessed
-    assert same_prompts({**made, "columns": dict(config["dataset"]["columns"])}, config)
-    assert not same_prompts({**made, "columns": {"question": "text", "conversation": None, "id": None}}, config)
+    assert same_prompts(made, settings)  # written before dataset.columns: every column guessed
+    assert same_prompts({**made, "columns": dict(settings.columns)}, settings)
+    assert not same_prompts({**made, "columns": {"question": "text", "conversation": None, "id": None}}, settings)
 
 
 # --- bad rows ---------------------------------------------------------------------------------

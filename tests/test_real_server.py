@@ -18,13 +18,18 @@ from eaglenest.data.traces import generate_shard
 from eaglenest.errors import TracesError
 from eaglenest.serving.backend import alive
 from eaglenest.serving.probe import is_serving
-from eaglenest.settings import QuestionSettings
+from eaglenest.settings import GenerationSettings, QuestionSettings
 from tests.support.config import BASE_CONFIG, TOY_TARGET, write_config
 from tests.support.workflow import read_lines, run_snakemake
 
 pytestmark = pytest.mark.vllm
 MAX_MODEL_LEN = BASE_CONFIG["server"]["max_model_len"]
 GENERATION = {"max_tokens": 64, "concurrency": 8, "request_timeout": 120, "max_retries": 1}
+
+
+def settings(**changes):
+    """The toy's GenerationSettings: GENERATION and ``changes`` over the schema's defaults."""
+    return GenerationSettings.defaults().replace(model="toy", **{**GENERATION, **changes})
 # The toy's character vocabulary holds these symbols; 40 repeats are ~800 tokens, past max_model_len.
 LONG = "What is 123 + 456? " * 40
 
@@ -60,8 +65,7 @@ def test_a_real_400_is_counted_in_the_errors_file(toy_server, tmp_path):
     cfg, _ = toy_server
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=6)  # 2 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
-    stats = generate_shard(prompts, out, urls=[cfg.url_at(cfg.port)], model="toy", progress=False,
-                           generation={**GENERATION, "max_error_fraction": 0.2})
+    stats = generate_shard(prompts, out, settings(max_error_fraction=0.2), urls=[cfg.url_at(cfg.port)], progress=False)
     assert stats["errors"] == 2 and stats["retries"] == 0 and stats["completed"] == 10, stats
     errors = _lines(tmp_path / "traces/shard_0.errors.jsonl")
     assert sorted(e["id"] for e in errors) == ["p005", "p011"]
@@ -76,8 +80,8 @@ def test_the_error_fraction_gate_fails_the_shard_with_what_to_do(toy_server, tmp
     prompts = _prompts(tmp_path / "prompts.jsonl", 12, long_every=3)  # 4 of 12 too long
     out = tmp_path / "traces/shard_0.jsonl"
     with pytest.raises(TracesError) as e:
-        generate_shard(prompts, out, urls=[cfg.url_at(cfg.port)], model="toy", progress=False,
-                       generation={**GENERATION, "concurrency": 1, "max_error_fraction": 0.1})
+        generate_shard(prompts, out, settings(concurrency=1, max_error_fraction=0.1), urls=[cfg.url_at(cfg.port)],
+                       progress=False)
     msg = str(e.value)
     assert "shard_0" in msg and "HTTP 400" in msg and "more than 10%" in msg, msg
     assert str(tmp_path / "traces/shard_0.errors.jsonl") in msg and "rerun" in msg, msg
@@ -153,8 +157,10 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
     T=0 answer, user 2], token for token as the chat template renders it, and measured on the same server
     start (the target alone's hook) beside turn 1. Two requests: turn 1, then turn 2."""
     from eaglenest.serving.settings import ServerConfig
+    from eaglenest.settings import ValidateSettings
     from eaglenest.validation.evalsets import read_prompts, resolve_sets
-    from eaglenest.validation.validate import _matrix_cells, _second_turns, measure_cell, resolve_settings
+    from eaglenest.validation.runs import measure_cell
+    from eaglenest.validation.validate import _matrix_cells, _second_turns
 
     cfg, _ = toy_server
     url = f"http://{cfg.host}:{cfg.port}"
@@ -163,14 +169,15 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
                                                    {"role": "user", "content": "What is 189 * 2?"}]}
     heldout.write_text(json.dumps(row) + "\n")
     # 96 tokens: the toy's reasoning, then its answer, the context turn 2 must carry
-    s = resolve_settings({"temperatures": [0], "max_tokens": 96}, GENERATION)
-    cells = _matrix_cells(s, resolve_sets([], heldout), read_prompts(heldout), GENERATION, None, print)
+    s = ValidateSettings.defaults()
+    s = s.replace(temperatures=[0.0], max_tokens=96, generation={**s.generation, "request_timeout": GENERATION["request_timeout"]})
+    cells = _matrix_cells(s, [0.0], resolve_sets([], heldout), read_prompts(heldout), print)
     result = {"cells": [measure_cell(url, cfg.model_id, c) for c in cells]}
     (first,) = result["cells"][0]["answers"]
     assert first["content"] and first["reasoning"], first
     logs = []
     hooks = _second_turns({"baseline": (cfg.model, None, None)}, ServerConfig.from_dict({**BASE_CONFIG["server"], "port": cfg.port}),
-                          s, 3, cells, engine="transformers", log=logs.append)
+                          s, cells, engine="transformers", log=logs.append)
     hooks["baseline"](url, None, result)
     (two,) = result["second_turns"]
     assert (two["set"], two["turn"], two["prompts"], two["temperature"]) == ("heldout", 2, 1, 0)
@@ -182,8 +189,8 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
     assert two["answers"][0]["prompt_token_ids"] == expected
     assert any("heldout turn 2 at T=0: 1 prompts" in line for line in logs), logs
     # off, or with the target alone last (engine none: its answers come after the drafts' runs): not asked
-    assert _second_turns({"baseline": None}, cfg, {**s, "second_turns": False}, 3, cells, engine="transformers", log=print) == {}
-    assert _second_turns({"baseline": None}, cfg, s, 3, cells, engine="none", log=logs.append) == {}
+    assert _second_turns({"baseline": None}, cfg, s.replace(second_turns=False), cells, engine="transformers", log=print) == {}
+    assert _second_turns({"baseline": None}, cfg, s, cells, engine="none", log=logs.append) == {}
     assert "no second turns of heldout" in logs[-1]
 
 
@@ -194,7 +201,7 @@ def test_the_target_alone_server_scores_outputs_as_transformers_does(toy_server,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eaglenest.data.traces import answer_prompts
+    from eaglenest.serving.chat import answer_prompts
     from eaglenest.validation.lossless import sequence_scores, served_scores
 
     cfg, _ = toy_server

@@ -13,8 +13,10 @@ import time
 
 import pytest
 
+from eaglenest.config import validate_config
 from eaglenest.data.traces import generate_shard
 from eaglenest.serving.local import LocalPaths, read_pidfile
+from eaglenest.settings import GenerationSettings
 from tests.support.config import write_config
 from tests.support.servers import server_gone, wait_port
 from tests.support.workflow import prompt_ids, read_lines, snakemake_cmd, start_workflow
@@ -107,8 +109,9 @@ def test_a_workflow_started_beside_it_with_the_same_port_settings_finishes_too(r
 def test_the_traces_equal_a_one_replica_run_at_temperature_0(replicas_run, toy_server, tmp_path):
     wd, cfg = replicas_run["wd"], replicas_run["cfg"]
     server_cfg, _ = toy_server
-    stats = generate_shard(wd / "data/prompts/shard_0.jsonl", tmp_path / "shard_0.jsonl", urls=[server_cfg.url_at(server_cfg.port)],
-                           model="toy", generation=cfg["generation"], progress=False)
+    settings = GenerationSettings.from_config(validate_config(cfg)).replace(model="toy")
+    stats = generate_shard(wd / "data/prompts/shard_0.jsonl", tmp_path / "shard_0.jsonl", settings,
+                           urls=[server_cfg.url_at(server_cfg.port)], progress=False)
     two = {r["id"]: r for r in read_lines(wd / "traces/shard_0.jsonl")}
     one = {r["id"]: r for r in read_lines(tmp_path / "shard_0.jsonl")}
     keys = ("prompt_token_ids", "completion_token_ids", "reasoning", "content", "finish_reason")

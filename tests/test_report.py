@@ -10,42 +10,14 @@ import torch
 
 from eaglenest.validation import report
 from eaglenest.validation.plots import bar_chart, line_chart, nice_ticks
-from eaglenest.validation.report import (build_report, export_differences, findings, read_train_metrics, render_html,
-                                         train_summary, write_report)
-from tests.test_train import run
-
-# n-gram's acceptance length (per drafted step) is above EAGLE-3's, its tokens per target step far below: the
-# report must compare the latter (a finding would fire on the former).
-RUNS = {
-    "baseline": {"output_tokens_per_s": 100.0, "mean_latency_s": 1.0, "completion_tokens": 4000, "wall_s": 40.0,
-                 "one_request": {"output_tokens_per_s": 50.0, "ms_per_token": 20.0, "passes": 1},
-                 "tokens_per_step": 1.0, "drafted_share": 0.0,
-                 "answers": [{"completion_token_ids": [1, 2], "prompt_token_ids": [0]}]},
-    "eagle3": {"output_tokens_per_s": 180.0, "acceptance_length": 2.5, "acceptance_rate": 0.5,
-               "tokens_per_step": 2.45, "drafted_share": 1.0,
-               "one_request": {"output_tokens_per_s": 110.0, "ms_per_token": 9.1, "passes": 1},
-               "per_position": [0.8, 0.45, 0.25], "answers": []},
-    "ngram": {"output_tokens_per_s": 110.0, "acceptance_length": 2.6, "acceptance_rate": 0.53,
-              "tokens_per_step": 1.3, "drafted_share": 0.2,
-              "one_request": {"output_tokens_per_s": 60.0, "ms_per_token": 16.7, "passes": 1},
-              "per_position": [0.8, 0.5, 0.3], "answers": []},
-}
-OFFLINE = {"acceptance_length": 2.6, "acceptance_rate": 0.53, "per_position": [0.82, 0.48, 0.3], "tokens_per_step": 2.55,
-           "drafted_share": 1.0}
-CURVES = {"step": [1.0, 2.0, 3.0], "loss": [3.0, 2.0, 1.5], "loss_0": [1.0, 0.7, 0.5], "loss_1": [1.2, 0.9, 0.6],
-          "acc_0": [0.3, 0.6, 0.8], "acc_1": [0.2, 0.4, 0.6], "ttt_length": 2}
-
-
-def _report(**over):
-    kw = dict(target="toy/target", draft_dir="draft/checkpoint", k=3, prompts=40, max_tokens=256, runs=RUNS,
-              offline=OFFLINE, train=train_summary(CURVES, 3), checks={"served_dtype": "bfloat16"},
-              settings={"concurrency": 8})
-    kw.update(over)
-    return build_report(**kw)
+from eaglenest.validation.page import render_html
+from eaglenest.validation.report import export_differences, findings, read_train_metrics, train_summary, write_report
+from tests.support.reports import CURVES, RUNS, WARN_BELOW, sample_report
+from tests.support.training_run import run
 
 
 def test_report_holds_the_promised_keys():
-    r = _report()
+    r = sample_report()
     for key in ("target", "draft", "num_speculative_tokens", "prompts", "eagle3", "ngram", "baseline", "offline", "speedup"):
         assert key in r, key
     for name in ("eagle3", "ngram"):
@@ -65,17 +37,17 @@ def test_report_holds_the_promised_keys():
 def test_disagreement_warning_fires_below_80_percent():
     # by tokens per target step: vLLM's per-drafted-step figures here would say the opposite each time
     assert not [w for w in findings({"eagle3": {"tokens_per_step": 2.01, "acceptance_length": 1.5},
-                                     "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})
+                                     "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}}, WARN_BELOW)
                 if w["kind"] == "disagreement"]  # 80.4%
     low = findings({"eagle3": {"tokens_per_step": 1.99, "acceptance_length": 2.5},
-                    "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}})  # 79.6%
+                    "offline": {"tokens_per_step": 2.5, "acceptance_length": 2.5}}, WARN_BELOW)  # 79.6%
     (w,) = [w for w in low if w["kind"] == "disagreement"]
     assert "makes 1.990 tokens per target step, 80% of the offline prediction's 2.500 (below 80%" in w["message"]
     assert "acceptance length per drafted step (vLLM's figure): vLLM 2.500, offline 2.500" in w["message"]
     text = " ".join(w["causes"])
     for cause in ("off by one", "norm_before_residual", "d2t", "dtype", "chat template", "too little data"):
         assert cause in text, cause
-    r = _report(runs={**RUNS, "eagle3": {**RUNS["eagle3"], "tokens_per_step": 1.2}})
+    r = sample_report(runs={**RUNS, "eagle3": {**RUNS["eagle3"], "tokens_per_step": 1.2}})
     assert r["warnings"][0]["kind"] == "disagreement"
     html = render_html(r, CURVES)
     top = html.index("<h2>Summary</h2>")
@@ -83,7 +55,7 @@ def test_disagreement_warning_fires_below_80_percent():
 
 
 def test_html_is_self_contained_with_svg_plots(tmp_path):
-    r = _report()
+    r = sample_report()
     write_report(r, tmp_path / "v.json", tmp_path / "v.html", CURVES)
     html = (tmp_path / "v.html").read_text()
     assert json.loads((tmp_path / "v.json").read_text())["speedup"] == pytest.approx(2.2)
@@ -137,9 +109,9 @@ def test_log_ticks_are_round():
 
 def test_load_warning_names_unreliable_throughput(monkeypatch):
     monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
-    busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}})
+    busy = findings({"baseline": {"load_average": [1.0, 4.5]}, "eagle3": {}, "ngram": {}}, WARN_BELOW)
     assert [w["kind"] for w in busy] == ["load"] and "unreliable" in busy[0]["message"]
-    assert findings({"baseline": {"load_average": [1.0, 2.5]}}) == []
+    assert findings({"baseline": {"load_average": [1.0, 2.5]}}, WARN_BELOW) == []
 
 
 def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
@@ -163,7 +135,7 @@ def test_export_differences_name_what_vllm_would_read_wrong(data, tmp_path):
     assert any("aux layer ids" in x for x in diffs) and any("norm_before_residual" in x for x in diffs)
     assert any("not offsets" in x for x in diffs)
     found = findings({"eagle3": {"tokens_per_step": 1.0}, "offline": {"tokens_per_step": 2.0},
-                      "checks": {"export_vs_training": diffs}})
+                      "checks": {"export_vs_training": diffs}}, WARN_BELOW)
     assert [w["kind"] for w in found] == ["disagreement", "export"]
     causes = found[0]["causes"]
     assert "FOUND" in causes[0] and "FOUND" in causes[1] and "FOUND" in causes[2]
@@ -190,15 +162,15 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     assert checks["prompt_template_mismatches"] == 1 and checks["finish_reasons"] == {"stop": 2}
     assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
     assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")
-    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2})] == ["template", "dtype"]
+    assert [w["kind"] for w in findings({"checks": checks, "prompts": 2}, WARN_BELOW)] == ["template", "dtype"]
 
 
 def test_speed_warning_follows_the_one_request_speed_up():
     slow = {key: {**r, "one_request": {**r["one_request"]}} for key, r in RUNS.items()}
     slow["eagle3"]["one_request"]["output_tokens_per_s"] = 40.0  # 0.8x the target alone, 1.8x at concurrency
-    (w,) = [w for w in _report(runs=slow)["warnings"] if w["kind"] == "speed"]
+    (w,) = [w for w in sample_report(runs=slow)["warnings"] if w["kind"] == "speed"]
     assert "one request at a time (×0.80" in w["message"]
-    assert not [w for w in _report()["warnings"] if w["kind"] == "speed"]
+    assert not [w for w in sample_report()["warnings"] if w["kind"] == "speed"]
 
 
 def test_learning_curve_orders_the_kept_drafts_and_adds_the_final_one():
@@ -223,7 +195,7 @@ def test_ngram_finding_compares_tokens_per_target_step():
     """RUNS: n-gram ahead per drafted step (2.6 > 2.5), behind per step: no finding (test above). Ahead per step:
     the finding, with vLLM's per-drafted-step figures said as such."""
     ahead = {**RUNS, "ngram": {**RUNS["ngram"], "tokens_per_step": 2.5, "drafted_share": 0.94}}
-    (w,) = [w for w in _report(runs=ahead)["warnings"] if w["kind"] == "ngram"]
+    (w,) = [w for w in sample_report(runs=ahead)["warnings"] if w["kind"] == "ngram"]
     assert w["message"] == ("The EAGLE-3 draft (2.450 tokens per target step) does not beat n-gram speculation "
                             "(2.500; vLLM's acceptance length per drafted step: EAGLE-3 2.500 (drafted on 100% of "
                             "steps), n-gram 2.600 (drafted on 94% of steps)).")

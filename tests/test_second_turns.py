@@ -9,7 +9,7 @@ from eaglenest.settings import ValidateSettings
 from eaglenest.validation.evalsets import read_prompts
 from eaglenest.validation.second_turns import (first_turn, second_turns_markdown, second_turns_said,
                                                second_turns_section, turn_two_cells, turn_two_prompts)
-from eaglenest.validation.report import render_html
+from eaglenest.validation.page import render_html
 from tests.support.config import TOY_TARGET
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -93,11 +93,11 @@ def test_the_report_shows_turn_two_beside_turn_one_for_every_run():
 
 
 def test_the_report_page_has_the_second_turns_section_only_where_they_were_asked():
-    from tests.test_report import _report
+    from tests.support.reports import sample_report
 
     section = [{"set": "mt_bench", "turn": 2, "prompts": 6, "runs": {
         "eagle3": {"tokens_per_step": 1.25, "acceptance_length": 1.5, "turn_1_tokens_per_step": 1.75}}}]
-    r = _report()
+    r = sample_report()
     assert "Second turns" not in render_html(r)
     r["second_turns"] = section
     html = render_html(r)
@@ -106,8 +106,8 @@ def test_the_report_page_has_the_second_turns_section_only_where_they_were_asked
 
 def test_second_turns_on_by_default_keep_an_earlier_validations_fingerprint():
     on = ValidateSettings.defaults()
-    assert on.validate["second_turns"] is True and "second_turns" not in on.fingerprint()["validate"]
-    off = on.replace(validate={**on.validate, "second_turns": False})
+    assert on.second_turns is True and "second_turns" not in on.fingerprint()["validate"]
+    off = on.replace(second_turns=False)
     assert off.fingerprint()["validate"]["second_turns"] is False
 
 

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from eaglenest.data.sequences import read_training_sequences, training_sequences
 from eaglenest.errors import TraceRecordError
 from eaglenest.settings import HiddenSettings
-from eaglenest.states.hidden import HiddenShards, extract_hidden, shard_sequences
+from eaglenest.states.hidden import extract_hidden
+from eaglenest.states.shards import HiddenShards, shard_sequences
 from tests.support.config import TOY_TARGET
 from tests.support.conversations import REASONING_TEMPLATE, conversation_record, data_turn_tokens
 
@@ -169,7 +170,7 @@ def test_the_vllm_backend_and_stream_mode_write_the_same_masks(tok, tmp_path):
     from eaglenest.states.extract import extract_hidden_vllm
     from eaglenest.states.stream import open_stream
     from eaglenest.states.target import save_target_head
-    from tests.test_stream_stub import SeededStub
+    from tests.support.extraction_stub import SeededStub
 
     record = conversation_record(tok, WITH_TOOL, TOOL_ANSWERS, {"chat_template": REASONING_TEMPLATE})
     traces = tmp_path / "shard_0.jsonl"

@@ -7,14 +7,14 @@ from dataclasses import fields
 import pytest
 
 from eaglenest.config import MOVED_KEYS, ConfigError, defaults, validate_config
-from eaglenest.serving.settings import ServerConfig
+from eaglenest.serving.settings import ServerConfig, SlurmSettings
 from eaglenest.settings import (DFlashSettings, DraftSettings, ExportSettings, FetchSettings, GenerationSettings,
-                                HiddenSettings, PromptSettings, QuestionSettings, Stage, TrainSettings, ValidateSettings,
-                                lookup)
+                                HiddenSettings, PlanSettings, PromptSettings, QuestionSettings, Stage, TrainSettings,
+                                ValidateSettings, lookup)
 from eaglenest.states.target import TargetFacts
 
 STAGES = (PromptSettings, QuestionSettings, GenerationSettings, HiddenSettings, DraftSettings, DFlashSettings, TrainSettings,
-          ValidateSettings, ExportSettings, FetchSettings)
+          ValidateSettings, ExportSettings, FetchSettings, ServerConfig, SlurmSettings)
 
 
 def _with(changes: dict) -> dict:
@@ -75,7 +75,7 @@ def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
     in two places, the schema and its stage's field."""
     read = {key for cls in STAGES for f in fields(cls) for key in f.metadata["keys"]}
     for section in ("generation", "hidden", "hidden.vllm", "hidden.transformers", "hidden.stream", "draft", "draft.dflash",
-                    "train", "export"):
+                    "train", "export", "server", "server.slurm"):
         missing = {f"{section}.{k}" for k in defaults(section)} - read - {"hidden.vllm", "hidden.transformers",
                                                                           "hidden.stream", "draft.dflash"}
         assert not missing, f"schema keys no stage reads: {sorted(missing)}"
@@ -83,6 +83,13 @@ def test_every_key_of_a_stage_section_is_a_field_of_a_stage():
     assert {f"dataset.generate.{k}" for k in defaults("dataset.generate")} <= read
     for key in read:
         lookup(defaults(), key)  # a KeyError: a field reads a key the schema does not have
+
+
+def test_the_plan_reads_every_plan_key_as_a_field():
+    """`plan:` is read by the plan and the checks alone, through PlanSettings: each key one field, its default the
+    schema's."""
+    assert {f"plan.{k}" for k in defaults("plan")} <= {key for f in fields(PlanSettings) for key in f.metadata["keys"]}
+    assert PlanSettings.defaults() == PlanSettings.from_config(validate_config({})) == PlanSettings()
 
 
 @pytest.mark.parametrize("cls", STAGES)

@@ -24,8 +24,9 @@ from eaglenest.serving.backend import watchdog_command
 from eaglenest.serving.lifecycle import wait_ready
 from eaglenest.serving.probe import probe
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.slurm import (ALIVE, SlurmPaths, SlurmSettings, cancel_server, job_info, job_name,
-                                     read_record, submit_server)
+from eaglenest.serving.settings import SlurmSettings
+from eaglenest.serving.slurm import cancel_server
+from eaglenest.serving.slurm_jobs import ALIVE, SlurmPaths, job_info, job_name, read_record, submit_server
 from tests.support.config import ROOT
 from tests.support.servers import free_port
 from tests.support.slurm import scontrol_job, slurm_command
@@ -281,7 +282,7 @@ def test_profile_sends_rules_through_slurm(tmp_path, cluster):
 
 def test_the_gpu_partition_is_checked_with_sinfo_and_an_unset_one_names_the_default(slurm_cluster, monkeypatch):
     from eaglenest.errors import ConfigError
-    from eaglenest.serving.slurm import check_gpu_partition, cluster_partitions
+    from eaglenest.serving.slurm_cluster import check_gpu_partition, cluster_partitions
 
     monkeypatch.delenv("SBATCH_PARTITION", raising=False)
     monkeypatch.delenv("EAGLENEST_GPU_PARTITION", raising=False)

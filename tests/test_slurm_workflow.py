@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from eaglenest.serving.settings import ServerConfig
-from eaglenest.serving.slurm import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
+from eaglenest.serving.slurm_jobs import ALIVE, SlurmPaths, find_jobs, job_info, job_name, read_record
 from tests.support.config import ROOT, TOY_PROMPTS, write_config
 from tests.support.processes import started_at, vllm_pids
 from tests.support.servers import server_gone, wait_port

@@ -9,12 +9,9 @@ import json
 import os
 import random
 import time
-import zlib
 
 import pytest
 import torch
-from aiohttp import web
-from safetensors.torch import save_file
 
 from eaglenest.draft.checkpoint import load_checkpoint
 from eaglenest.draft.train import train_draft
@@ -27,33 +24,11 @@ from eaglenest.states.target import save_target_head
 from eaglenest.settings import DraftSettings, HiddenSettings
 from tests.support.config import TOY_TARGET
 from tests.support.servers import free_port
+from tests.support.extraction_stub import SeededStub
 from tests.support.training import train_settings
-from tests.test_extract_vllm_stub import StubExtractionServer, stub_greedy, vllm_answer
 
 CONFIG = {"ttt_length": 2, "batch_tokens": 256, "max_steps": 16, "save_every": 4, "lr": 3e-3, "warmup_steps": 2,
           "seed": 1}
-
-
-class SeededStub(StubExtractionServer):
-    """States seeded by the token ids (greedy tokens: ``stub_greedy``, answered as vLLM does); once
-    ``dead()`` is true, every answer is a 503."""
-
-    def __init__(self, *args, dead=None, **kw):
-        super().__init__(*args, **kw)
-        self.dead, self.asked = dead, []
-
-    async def completions(self, request):
-        body = await request.json()
-        ids = list(body["prompt"])
-        if self.dead is not None and self.dead():
-            return web.json_response({"error": "engine dead"}, status=503)
-        self.requests += 1
-        self.asked.append(tuple(ids))
-        g = torch.Generator().manual_seed(zlib.crc32(json.dumps(ids).encode()))
-        path = self.storage / f"cmpl-{request.headers.get('X-Request-Id', 'x')}-0.safetensors"
-        save_file({"hidden_states": torch.randn(len(ids), self.layers, self.hidden, generator=g),
-                   "token_ids": torch.tensor(ids)}, str(path))
-        return web.json_response(vllm_answer(ids, path, stub_greedy(ids)))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.data.traces import TracesError, check_server, fingerprint, generate_shard
+from eaglenest.data.traces import TracesError, answers_key, generate_shard
+from eaglenest.serving.probe import describe_os_error, probe
+from eaglenest.settings import GenerationSettings
 from tests.stub_server import MODEL, StubServer
 from tests.support.servers import free_port
 
@@ -20,6 +22,11 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = {"backoff_base": 0.01, "backoff_max": 0.05, "concurrency": 16}
+
+
+def settings(generation=FAST, model=MODEL):
+    """The GenerationSettings of ``generation``'s keys over the schema's defaults."""
+    return GenerationSettings.defaults().replace(model=model, **generation)
 STUB_SCRIPT = str(Path(__file__).parent / "stub_server.py")
 
 
@@ -41,9 +48,9 @@ def generate(tmp_path, urls, n=None, shard=None, **kw):
     shard = shard or tmp_path / "prompts.jsonl"
     if n is not None:
         write_shard(shard, n)
-    kw.setdefault("generation", dict(FAST))
     kw.setdefault("progress", False)
-    return generate_shard(shard, tmp_path / "traces" / "shard_0.jsonl", urls=urls, model=MODEL, **kw)
+    return generate_shard(shard, tmp_path / "traces" / "shard_0.jsonl", settings(kw.pop("generation", FAST)), urls=urls,
+                          **kw)
 
 
 def partial_files(tmp_path):
@@ -120,7 +127,7 @@ def test_records_are_complete_token_exact_and_in_prompt_order(tmp_path, stub, ca
     assert stats["requests"] == stats["completed"] == stats["records"] == 30
     assert stats["errors"] == stats["retries"] == stats["resumed"] == stats["truncated"] == 0
     assert stats["completion_tokens"] == sum(len(r["completion_token_ids"]) for r in records)
-    assert stats["fingerprint"] == fingerprint(MODEL, FAST) and stats["urls"] == [stub.url]
+    assert stats["fingerprint"] == answers_key(settings()) and stats["urls"] == [stub.url]
     assert json.loads((tmp_path / "traces" / "shard_0.stats.json").read_text()) == stats
     assert (tmp_path / "traces" / "shard_0.errors.jsonl").read_text() == ""
     assert unfinished_partials(tmp_path) == [] and len(partial_files(tmp_path)) == 1
@@ -224,24 +231,22 @@ def test_the_servers_are_rechecked_before_the_shard_starts(tmp_path):
         with pytest.raises(TracesError, match="HTTP 401 \\(refused: no API key was sent.*server.api_key_env"):
             generate(tmp_path, [s.url], n=5)
         with pytest.raises(TracesError, match=f"server at {s.url} serves \\['stub-model'\\], not 'other'"):
-            generate_shard(tmp_path / "prompts.jsonl", tmp_path / "out.jsonl", urls=[s.url], model="other",
-                           generation=FAST, api_key="right", progress=False)
+            generate_shard(tmp_path / "prompts.jsonl", tmp_path / "out.jsonl", settings(model="other"), urls=[s.url],
+                           api_key="right", progress=False)
         assert s.requests == 0
         assert generate(tmp_path, [s.url], api_key="right")["completed"] == 5
 
 
-def test_fingerprint_covers_the_answer_settings_only():
-    base = fingerprint(MODEL, {})
-    assert fingerprint(MODEL, {"temperature": 0, "seed": 0, "concurrency": 7, "max_retries": 1}) == base
+def test_answers_key_covers_the_answer_settings_only():
+    base = answers_key(settings({}))
+    assert answers_key(settings({"temperature": 0, "seed": 0, "concurrency": 7, "max_retries": 1})) == base
+    assert answers_key(settings({"max_turns": 9, "max_context_tokens": 100})) == base  # single questions
     for change in ({"temperature": 0.6}, {"max_tokens": 10}, {"top_p": 0.9}, {"seed": 1},
                    {"chat_template_kwargs": {"enable_thinking": False}}, {"extra_body": {"top_k": 5}}):
-        assert fingerprint(MODEL, change) != base, change
-    assert fingerprint("other", {}) != base
-
-
-def test_unknown_generation_setting_is_named(tmp_path, stub):
-    with pytest.raises(TracesError, match="max_token"):
-        generate(tmp_path, [stub.url], n=1, generation={"max_token": 10})
+        assert answers_key(settings(change)) != base, change
+    assert answers_key(settings({}, model="other")) != base
+    conversations = answers_key(settings({}), conversations=True)
+    assert conversations != base and answers_key(settings({"max_turns": 9}), conversations=True) != conversations
 
 
 # -- crash safety ---------------------------------------------------------------------------------
@@ -249,8 +254,9 @@ def test_unknown_generation_setting_is_named(tmp_path, stub):
 CLIENT = """
 import sys
 from eaglenest.data.traces import generate_shard
-generate_shard(sys.argv[1], sys.argv[2], urls=[sys.argv[3]], model="stub-model",
-               generation={"concurrency": 4}, progress=False)
+from eaglenest.settings import GenerationSettings
+generate_shard(sys.argv[1], sys.argv[2], GenerationSettings.defaults().replace(model="stub-model", concurrency=4),
+               urls=[sys.argv[3]], progress=False)
 """
 
 
@@ -323,7 +329,7 @@ def test_a_rerun_with_every_record_finished_needs_no_server(tmp_path, stub):
     prompts = write_shard(tmp_path / "prompts.jsonl", 10)
     generate(tmp_path, [stub.url], shard=prompts)
     out = tmp_path / "traces" / "shard_0.jsonl"
-    partial = tmp_path / "traces" / "partial" / f"shard_0.{fingerprint(MODEL, FAST)}.partial.jsonl"
+    partial = tmp_path / "traces" / "partial" / f"shard_0.{answers_key(settings())}.partial.jsonl"
     done = out.read_bytes()
     lines = done.splitlines(keepends=True)
     partial.write_bytes(b"".join(lines[3:] + lines[:3]))  # finished in another order
@@ -344,7 +350,7 @@ def test_a_settings_change_starts_a_fresh_partial_file(tmp_path):
         assert s.answered == 20
     assert stats["resumed"] == 0 and stats["completed"] == 20
     assert unfinished_partials(tmp_path) == [old]  # the other settings' records stay for their own rerun
-    assert stats["fingerprint"] != fingerprint(MODEL, FAST) and stats["fingerprint"] not in old.name
+    assert stats["fingerprint"] != answers_key(settings()) and stats["fingerprint"] not in old.name
 
 
 def test_output_appears_only_when_the_shard_is_complete(tmp_path):
@@ -388,14 +394,11 @@ def test_a_dead_replica_is_routed_around(tmp_path, stub):
     assert stats["completed"] == 40 and stats["errors"] == 0 and stub.answered == 40
 
 
-def test_check_server(stub):
-    info = check_server(stub.url + "/v1", model=MODEL)
-    assert info == {"ok": True, "url": stub.url, "models": [MODEL], "max_model_len": 4096, "version": "0.0.0-stub"}
-    with pytest.raises(TracesError, match="not 'other'"):
-        check_server(stub.url, model="other")
-    url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(TracesError, match=f"server at {url} is not answering \\(connection refused\\)"):
-        check_server(url)
+def test_probe_reads_the_served_models_and_names_a_refused_connection(stub):
+    assert probe(stub.url) == {"models": [MODEL], "max_model_len": {MODEL: 4096}, "version": "0.0.0-stub"}
+    with pytest.raises(OSError) as e:
+        probe(f"http://127.0.0.1:{free_port()}")
+    assert describe_os_error(e.value) == "connection refused"
 
 
 def test_a_forced_rerun_of_a_finished_shard_sends_nothing(tmp_path):

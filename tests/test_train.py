@@ -17,15 +17,7 @@ from eaglenest.draft.targets import target_distribution
 from eaglenest.draft.train import lr_at, train_draft
 from eaglenest.states.target import load_target_head
 from tests.support.training import train_settings
-
-CONFIG = {"ttt_length": 3, "batch_tokens": 200, "max_steps": 6, "save_every": 2, "lr": 3e-3, "warmup_steps": 2, "seed": 3}
-
-
-def run(data, out, config=CONFIG):
-    return train_draft(
-        data["hidden_paths"], data["vocab_path"], out / "checkpoint.safetensors", out / "train_metrics.csv",
-        head_path=data["head_path"], settings=train_settings(config), state_dir=out / ".train_state", progress=False,
-    )
+from tests.support.training_run import CONFIG, run
 
 
 def test_train_writes_checkpoint_and_metrics(data, tmp_path):
@@ -205,7 +197,7 @@ def test_shards_without_target_next_train_the_same_draft_on_the_full_vocab_path(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tests.test_hidden import without_target_next
+    from tests.support.shards import without_target_next
 
     old = without_target_next(data["hidden_paths"][0], tmp_path / "old.safetensors")
     with safe_open(str(old), "pt") as f:
@@ -439,7 +431,7 @@ def test_a_resume_point_whose_kept_draft_is_gone_is_not_used(data, tmp_path, mon
 def test_batches_carry_the_loss_plan_of_the_models_runtime(data):
     """The loader reads the model's resolved Runtime, not the config: the fused loss's plan, with the chains
     only where the model runs the later TTT steps at them (skip_unscored on the flex path with diag_split)."""
-    from eaglenest.states.hidden import HiddenShards
+    from eaglenest.states.shards import HiddenShards
 
     shards = HiddenShards(data["hidden_paths"])
     lengths = [shards.length(k) for k in range(len(shards))]

@@ -1,19 +1,24 @@
-"""validate: the orchestration of the vLLM runs: counter differences around a run, settings, and the
-requests sent through the traces client (a stub server: it injects the failures a real one can't on
-demand). Fast: no vLLM."""
+"""validation: the orchestration of the vLLM runs (validate), one run (runs), the counter differences
+around it (metrics), its settings, and the requests sent through the traces client (requests; a stub
+server: it injects the failures a real one can't on demand). Fast: no vLLM."""
 
 import json
 import pytest
 
+from eaglenest.config import validate_config
+from eaglenest.errors import ValidationError
 from eaglenest.settings import ValidateSettings
 from eaglenest.vllm_facts import acceptance, spec_counters
-from eaglenest.validation import validate
-from eaglenest.validation.validate import counter_delta
-from tests.test_vllm_format import METRICS_BEFORE, _after
+from eaglenest.validation import metrics, requests, runs, validate
+from eaglenest.validation.matrix import matrix_temperatures
+from eaglenest.validation.metrics import counter_delta
+from tests.support.reports import OFFLINE, sample_report
+from tests.support.untrained import export_untrained
+from tests.support.vllm_metrics import METRICS_BEFORE, metrics_after
 
 
 def test_counter_differences_give_the_run_alone():
-    after = _after(METRICS_BEFORE, {
+    after = metrics_after(METRICS_BEFORE, {
         "vllm:spec_decode_num_drafts_total": 50,  # two engines: +100 drafts
         "vllm:spec_decode_num_draft_tokens_total": 150,  # +300 = 3 per draft
         "vllm:spec_decode_num_accepted_tokens_total": 60,  # +120
@@ -27,7 +32,7 @@ def test_counter_differences_give_the_run_alone():
     assert stats["per_position"] == pytest.approx([0.6, 0.4, 0.2])
     # the per-position rates add up to the accepted tokens per draft
     assert sum(stats["per_position"]) == pytest.approx(stats["acceptance_length"] - 1)
-    with pytest.raises(validate.ValidationError, match="restarted"):
+    with pytest.raises(ValidationError, match="restarted"):
         counter_delta(spec_counters(after), spec_counters(METRICS_BEFORE))
 
 
@@ -35,29 +40,32 @@ def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
     from eaglenest.serving.settings import ServerConfig
 
     srv = ServerConfig(model="x", extra_args=["--speculative-config", "{}"])
-    with pytest.raises(validate.ValidationError, match="server.extra_args"):
-        validate.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], {}, log_dir=tmp_path)
+    with pytest.raises(ValidationError, match="server.extra_args"):
+        runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], {}, log_dir=tmp_path,
+                         concurrency=8, warmup_requests=0, min_seconds=0.0)
 
 
-def test_resolve_settings_fills_defaults():
-    s = validate.resolve_settings({"ngram": {"prompt_lookup_max": 3}}, {"max_tokens": 77})
-    assert s["max_tokens"] == 77 and s["num_speculative_tokens"] == 3 and s["concurrency"] == 8
-    assert s["ngram"] == {"prompt_lookup_max": 3, "prompt_lookup_min": 2} and s["offline"]["tokens"] == "generate"
+def test_validate_settings_read_every_key_with_the_schemas_defaults():
+    s = ValidateSettings.from_config(validate_config({"validate": {"ngram": {"prompt_lookup_max": 3}},
+                                                      "generation": {"max_tokens": 77}}))
+    assert s.request_max_tokens == 77 and s.num_speculative_tokens == 3 and s.concurrency == 8
+    assert s.ngram == {"prompt_lookup_max": 3, "prompt_lookup_min": 2} and s.offline["tokens"] == "generate"
+    assert s.replace(max_tokens=32).request_max_tokens == 32
 
 
 def test_client_counts_tokens_and_repeats_until_min_seconds():
     from tests.stub_server import MODEL, StubServer
 
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(5)]
-    body = validate.request_settings(16)
+    body = requests.request_settings(16)
     with StubServer(delay=0.05, answer_tokens=10) as stub:
-        one = validate.run_requests(stub.url, MODEL, prompts, body, concurrency=2)
+        one = requests.run_requests(stub.url, MODEL, prompts, body, concurrency=2)
         tokens = sum(len(a["completion_token_ids"]) for a in one["answers"])
         assert one["passes"] == 1 and one["requests"] == 5 and one["completion_tokens"] == tokens > 0
         assert [a["id"] for a in one["answers"]] == [p["id"] for p in prompts]
         assert all(a["completion_token_ids"] and a["prompt_token_ids"] for a in one["answers"])
         assert one["output_tokens_per_s"] == pytest.approx(tokens / one["wall_s"], rel=0.01)
-        more = validate.run_requests(stub.url, MODEL, prompts, body, concurrency=5, min_seconds=0.3)
+        more = requests.run_requests(stub.url, MODEL, prompts, body, concurrency=5, min_seconds=0.3)
         assert more["passes"] >= 2 and more["wall_s"] >= 0.3 and more["completion_tokens"] == tokens * more["passes"]
         assert len(more["answers"]) == 5  # the first pass's answers
 
@@ -65,11 +73,11 @@ def test_client_counts_tokens_and_repeats_until_min_seconds():
 def test_one_request_speed_gives_tokens_per_s_and_the_pooled_per_token_latency():
     run = {"requests": 4, "passes": 1, "completion_tokens": 200, "wall_s": 2.0, "output_tokens_per_s": 100.0,
            "mean_latency_s": 0.5, "answers": []}
-    one = validate.one_request_speed([run])
+    one = requests.one_request_speed([run])
     assert one["ms_per_token"] == pytest.approx(10.0)  # 4 requests x 0.5 s over 200 tokens
     assert one["output_tokens_per_s"] == 100.0 and "answers" not in one and "runs_output_tokens_per_s" not in one
     slow, fast = {**run, "output_tokens_per_s": 80.0, "mean_latency_s": 0.6}, {**run, "output_tokens_per_s": 120.0}
-    three = validate.one_request_speed([fast, run, slow])  # the median run's figures, every run's tokens/s
+    three = requests.one_request_speed([fast, run, slow])  # the median run's figures, every run's tokens/s
     assert three["output_tokens_per_s"] == 100.0 and three["ms_per_token"] == pytest.approx(10.0)
     assert three["runs_output_tokens_per_s"] == [120.0, 100.0, 80.0]
 
@@ -80,15 +88,15 @@ def test_client_retries_then_fails_with_the_url_and_status():
 
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "hello"}]}]
     with StubServer(fail_times=1, fail_status=503) as stub:  # one 503, then an answer: retried
-        assert validate.run_requests(stub.url, MODEL, prompts, validate.request_settings(8))["requests"] == 1
+        assert requests.run_requests(stub.url, MODEL, prompts, requests.request_settings(8))["requests"] == 1
     with StubServer(reject_match="hello") as stub:  # a 400 is not retried
-        with pytest.raises(validate.ValidationError,
+        with pytest.raises(ValidationError,
                            match=r"requests to http://127\.0\.0\.1:\d+ failed: .*1 of 1 requests failed; first: HTTP 400"):
-            validate.run_requests(stub.url, MODEL, prompts, validate.request_settings(8))
+            requests.run_requests(stub.url, MODEL, prompts, requests.request_settings(8))
 
 
 def test_request_settings_are_greedy_whatever_the_generation_config_says():
-    s = validate.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "not_a_generation_key": 0.1,
+    s = requests.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "not_a_generation_key": 0.1,
                                        "chat_template_kwargs": {"enable_thinking": False},
                                        "extra_body": {"temperature": 1.0, "top_k": 5}})
     assert s == {"temperature": 0.0, "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False},
@@ -96,20 +104,24 @@ def test_request_settings_are_greedy_whatever_the_generation_config_says():
 
 
 def test_request_settings_carry_the_cell_sampling_settings():
-    s = validate.request_settings(64, {"temperature": 0.0, "extra_body": {"top_p": 0.5, "top_k": 5}},
+    s = requests.request_settings(64, {"temperature": 0.0, "extra_body": {"top_p": 0.5, "top_k": 5}},
                                   temperature=1.0, top_p=0.95, seed=7, chat_template_kwargs={"thinking": True})
     assert s["temperature"] == 1.0 and s["top_p"] == 0.95 and s["seed"] == 7 and s["max_tokens"] == 64
     assert s["extra_body"] == {"top_k": 5} and s["chat_template_kwargs"] == {"thinking": True}
-    assert validate.sent_settings(s) == {"temperature": 1.0, "top_p": 0.95, "seed": 7, "max_tokens": 64}
+    assert requests.sent_settings(s) == {"temperature": 1.0, "top_p": 0.95, "seed": 7, "max_tokens": 64}
 
 
 def test_temperatures_default_to_zero_and_the_generation_temperature():
-    gen = {"max_tokens": 77, "temperature": 0.6, "top_p": 0.95}
-    s = validate.resolve_settings({}, gen)
-    assert s["temperatures"] == [0.0, 0.6] and s["top_p"] == 0.95
-    assert validate.resolve_settings({}, {**gen, "temperature": 0.0})["temperatures"] == [0.0]
-    s = validate.resolve_settings({"temperatures": [1.0, 0.6, 1.0], "top_p": 0.8}, gen)
-    assert s["temperatures"] == [0.0, 0.6, 1.0] and s["top_p"] == 0.8  # T=0 always, each once
+    def stage(**validate):
+        return ValidateSettings.from_config(validate_config({"validate": validate, "generation": {"temperature": 0.6,
+                                                                                                  "top_p": 0.95}}))
+
+    s = stage()
+    assert matrix_temperatures(s.temperatures, s.generation["temperature"]) == [0.0, 0.6] and s.request_top_p == 0.95
+    assert matrix_temperatures(None, 0.0) == [0.0]
+    s = stage(temperatures=[1.0, 0.6, 1.0], top_p=0.8)
+    assert matrix_temperatures(s.temperatures, s.generation["temperature"]) == [0.0, 0.6, 1.0]  # T=0 always, each once
+    assert s.request_top_p == 0.8
 
 
 def test_evaluation_sets_load_through_the_training_loader(tmp_path):
@@ -124,7 +136,7 @@ def test_evaluation_sets_load_through_the_training_loader(tmp_path):
     assert load_set(sets[0])[0]["id"] == "h"
     rows = load_set(sets[1])
     assert len(rows) == 3 and all(r["messages"][0]["content"].startswith("q") for r in rows)
-    with pytest.raises(validate.ValidationError, match="used twice"):
+    with pytest.raises(ValidationError, match="used twice"):
         resolve_sets([{"name": "heldout", "path": str(gsm)}], heldout)
 
 
@@ -133,9 +145,7 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     the target, the target-alone run goes last and scores every run's outputs on its own server before it stops,
     and the report says there is no offline prediction (vLLM itself is faked here: the real server's scores are
     tested against transformers in tests/test_real_server.py)."""
-    from tests.support.drafts import export_untrained
-    from eaglenest.validation import validate as v
-
+    v = validate
     export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft")
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join(json.dumps({"id": f"h{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
@@ -156,7 +166,7 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
                   "completion_tokens": 9, "wall_s": 1.0, "requests": 3, "seconds_to_ready": 1.0, **spec_figures,
                   "cells": [{"set": c["set"], "temperature": c["temperature"], "prompts": len(c["prompts"]),
                              "answers": answers, "one_request": one, "output_tokens": 9,
-                             "request_settings": v.sent_settings(c["settings"]), **spec_figures} for c in cells]}
+                             "request_settings": requests.sent_settings(c["settings"]), **spec_figures} for c in cells]}
         if before_stop:
             before_stop("http://127.0.0.1:9", None, result)
         return result
@@ -170,8 +180,8 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
     server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
-    settings = ValidateSettings.defaults().replace(server=server, generation={"max_tokens": 8}, target=server["model"],
-                                                   validate={"temperatures": [0, 1.0]}, hidden_backend="vllm")
+    settings = ValidateSettings.defaults().replace(server=server, max_tokens=8, target=server["model"],
+                                                   temperatures=[0, 1.0], hidden_backend="vllm")
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
                               log=lambda m: None)
     assert order == ["eagle3", "ngram", "baseline"]
@@ -188,10 +198,9 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     (P-EAGLE with parallel drafting, DFlash with method dflash), measured on the headline cell only, scored for
     losslessness, and set beside this run's draft, n-gram and the target alone in validation.json and the page;
     the matrix keeps this run's runs only (vLLM is faked: the real one in tests/test_formats.py)."""
-    from tests.support.drafts import export_untrained
     from eaglenest.draft.vllm_format import kind_of
-    from eaglenest.validation import validate as v
 
+    v = validate
     export_untrained(data["vocab_path"], data["head_path"], tmp_path / "draft")
     config = json.loads((tmp_path / "draft/config.json").read_text())
     for name, extra in (("peagle", {"parallel_drafting": True, "mask_token_id": 5, "fc_norm": False, "norm_output": False}),
@@ -217,7 +226,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
                 "completion_tokens": 9, "wall_s": 1.0, "requests": 3, "seconds_to_ready": 1.0, "speculative_config": spec,
                 **figures, "cells": [{"set": c["set"], "temperature": c["temperature"], "prompts": len(c["prompts"]),
                                       "answers": answers, "one_request": one, "output_tokens": 9,
-                                      "request_settings": v.sent_settings(c["settings"]), "scores": [-0.5] * 3, **figures}
+                                      "request_settings": requests.sent_settings(c["settings"]), "scores": [-0.5] * 3, **figures}
                                      for c in cells]}
 
     monkeypatch.setattr(v, "measure_run", fake_run)
@@ -225,8 +234,7 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
     server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
     settings = ValidateSettings.defaults().replace(
-        server=server, generation={"max_tokens": 8}, target=server["model"], validate={"temperatures": [0, 1.0]},
-        hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
+        server=server, max_tokens=8, target=server["model"], temperatures=[0, 1.0], hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
     logged = []
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
                               log=logged.append)
@@ -250,7 +258,7 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     A cell reads its own counters around its own requests; the headline cell takes the run's figures."""
     from eaglenest.serving.settings import ServerConfig
 
-    v = validate
+    v = runs
     readings = iter([{"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}},
                      # the headline phases: 3 passes of 2 requests, 10 tokens each: 60 tokens, 6 requests
                      {"drafts": 18.0, "draft_tokens": 54.0, "accepted": 18.0, "accepted_per_pos": {0: 12.0, 1: 6.0}},
@@ -275,29 +283,27 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     cells = [{"set": "heldout", "temperature": 0.0, "prompts": prompts, "settings": {}, "headline": True},
              {"set": "heldout", "temperature": 1.0, "prompts": prompts, "settings": {}}]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, warmup_requests=0,
-                        cells=cells, log=lambda m: None)
+    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, concurrency=8,
+                        warmup_requests=0, min_seconds=0.0, cells=cells, log=lambda m: None)
     # 6 requests, 60 tokens, 18 accepted: 60 - 6 - 18 = 36 steps, 18 of them drafted
     assert (run["counted_requests"], run["counted_completion_tokens"], run["decode_steps"]) == (6, 60, 36)
     assert run["tokens_per_step"] == pytest.approx(54 / 36) and run["drafted_share"] == pytest.approx(0.5)
     assert run["acceptance_length"] == pytest.approx(2.0)  # vLLM's: per drafted step
     head, hot = run["cells"]
-    assert {key: head[key] for key in v.COUNTED_KEYS} == {key: run[key] for key in v.COUNTED_KEYS}
+    assert {key: head[key] for key in metrics.COUNTED_KEYS} == {key: run[key] for key in metrics.COUNTED_KEYS}
     assert (hot["counted_requests"], hot["decode_steps"], hot["drafts"]) == (2, 16, 4)
     assert hot["tokens_per_step"] == pytest.approx(18 / 16) and hot["drafted_share"] == pytest.approx(4 / 16)
 
 
 def test_the_target_alone_makes_one_token_a_step():
-    runs = [{"requests": 4, "completion_tokens": 44}, {"requests": 2, "completion_tokens": 22}]
-    got = validate.counted_figures(None, runs, None)
+    phases = [{"requests": 4, "completion_tokens": 44}, {"requests": 2, "completion_tokens": 22}]
+    got = metrics.counted_figures(None, phases, None)
     assert got == {"tokens_per_step": 1.0, "drafted_share": 0.0, "decode_steps": 60, "counted_requests": 6,
                    "counted_completion_tokens": 66}
 
 
 def test_the_log_summary_compares_tokens_per_target_step():
-    from tests.test_report import OFFLINE, _report
-
-    report, lines = {**_report(), "seconds": 1.0}, []
+    report, lines = {**sample_report(), "seconds": 1.0}, []
     validate._log_summary(report, OFFLINE, 8, "v.json", "v.html", lines.append)
     assert lines[0].startswith("validate_draft: EAGLE-3 tokens per target step (vllm format 2.450) in vLLM vs 2.550 "
                                "offline, n-gram 1.300 (vLLM's acceptance length per drafted step: EAGLE-3 2.500, n-gram "

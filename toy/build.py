@@ -36,8 +36,9 @@ THINK_START, THINK_END = "<think>", "</think>"
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 # Jinja, saved with the tokenizer so that vLLM's /v1/chat/completions renders the same prompt.
-# Earlier assistant turns keep only their content (as DeepSeek-R1 does); the generation prompt
-# opens the thinking section, so the model writes reasoning, "</think>", the answer, then eos.
+# Earlier assistant turns keep only their content (as DeepSeek-R1 does) and their tool calls' names; a
+# tool's result is a user turn in brackets (so conversations with tool calls render: issue 54); the
+# generation prompt opens the thinking section, so the model writes reasoning, "</think>", the answer, then eos.
 CHAT_TEMPLATE = (
     "{%- if messages and messages[0]['role'] == 'system' %}"
     "{%- set system = messages[0]['content'] %}{%- set messages = messages[1:] %}"
@@ -46,7 +47,10 @@ CHAT_TEMPLATE = (
     "{%- if system %}{{- '<|system|>' + system }}{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m['role'] == 'user' %}{{- '<|user|>' + m['content'] }}"
-    "{%- elif m['role'] == 'assistant' %}{{- '<|assistant|>' + m['content'] + eos_token }}"
+    "{%- elif m['role'] == 'assistant' %}{{- '<|assistant|>' + (m['content'] or '') }}"
+    "{%- for call in m['tool_calls'] or [] %}{{- '[' + call['function']['name'] + ']' }}{%- endfor %}"
+    "{{- eos_token }}"
+    "{%- elif m['role'] == 'tool' %}{{- '<|user|>[' + m['content'] + ']' }}"
     "{%- else %}{{- raise_exception('toy chat template: unsupported role ' + m['role']) }}"
     "{%- endif %}"
     "{%- endfor %}"

@@ -24,7 +24,8 @@ def fsync_dir(path):
 
 class PartialFile:
     """The finished records of one shard, ``path`` (locked while open); ``index``: id -> (offset,
-    length) of its line."""
+    length) of its line. A conversation's answered turns are lines of their own ({"turn_of": id, ...},
+    ``append_turn``) until its record is appended; they are read back, never copied to the output."""
 
     def __init__(self, path, shard):
         self.path, self.shard = path, shard
@@ -32,9 +33,11 @@ class PartialFile:
         self.file = None
         self.end = 0  # offset of the next record
 
-    def open(self, wanted, on_record):
+    def open(self, wanted, on_record, on_turn=None):
         """Open (and lock) the file, drop a torn last line, index the finished records of the ids
-        ``wanted`` (``on_record`` is called with each)."""
+        ``wanted`` (``on_record`` is called with each; ``on_turn`` with each turn line of a wanted id
+        whose record is not in the file)."""
+        turns = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = open_locked(self.path, TracesError(
             f"{self.shard}: another process is writing {self.path}; "
@@ -46,14 +49,21 @@ class PartialFile:
                 break  # torn by a crash mid-write: dropped below
             try:
                 record = json.loads(line)
-                rid = record["id"]
+                rid = record["turn_of"] if "turn_of" in record else record["id"]
             except (ValueError, KeyError, TypeError):
                 bad += 1  # a complete but unreadable line: its prompt is sent again
             else:
-                if rid in wanted and rid not in self.index:
+                if "turn_of" in record:
+                    if rid in wanted:
+                        turns.append(record)
+                elif rid in wanted and rid not in self.index:
                     self.index[rid] = (offset, len(line))
                     on_record(record)
             offset += len(line)
+        if on_turn is not None:
+            for record in turns:
+                if record["turn_of"] not in self.index:
+                    on_turn(record)
         f.truncate(offset)
         f.seek(offset)
         self.end = offset
@@ -69,6 +79,13 @@ class PartialFile:
         self.file.flush()
         self.index[record["id"]] = (self.end, len(line))
         self.end += len(line)
+
+    def append_turn(self, line):
+        """Write and flush one answered turn of a conversation (not a record: not indexed)."""
+        data = json_line(line)
+        self.file.write(data)
+        self.file.flush()
+        self.end += len(data)
 
     def close(self):
         self.file.close()  # flushed per record already; closing releases the lock

@@ -3,6 +3,7 @@ did (answers, latencies, retries), written as ``traces/shard_{i}.stats.json`` an
 table by ``write_stats_table``."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from ..util import write_atomic
@@ -26,16 +27,24 @@ class TraceStats:
         self.latencies = []  # this run's answers
         self.completed = self.resumed = self.retries = 0
         self.new_completion_tokens = 0
+        self.conversations = self.turns = self.turns_dropped = 0
+        self.ended = Counter()  # conversations by how they ended
 
     def count(self, record):
-        """One record of the shard, resumed or new."""
+        """One record of the shard, resumed or new (a conversation's tokens: every turn's)."""
         t = self.totals
-        t["prompt_tokens"] += len(record.get("prompt_token_ids") or ())
-        t["completion_tokens"] += len(record.get("completion_token_ids") or ())
-        details = (record.get("usage") or {}).get("completion_tokens_details") or {}
-        if details.get("reasoning_tokens") is not None:
-            self.reasoning_reported = True
-            t["reasoning_tokens"] += details["reasoning_tokens"]
+        if "turns" in record:
+            self.conversations += 1
+            self.turns += len(record["turns"])
+            self.turns_dropped += record["turns_dropped"]
+            self.ended[record["ended"]] += 1
+        for turn in record.get("turns") or (record,):
+            t["prompt_tokens"] += len(turn.get("prompt_token_ids") or ())
+            t["completion_tokens"] += len(turn.get("completion_token_ids") or ())
+            details = (turn.get("usage") or {}).get("completion_tokens_details") or {}
+            if details.get("reasoning_tokens") is not None:
+                self.reasoning_reported = True
+                t["reasoning_tokens"] += details["reasoning_tokens"]
         t["truncated"] += bool(record.get("truncated"))
         t["no_reasoning"] += not record.get("reasoning")
         t["empty_content"] += not record.get("content")
@@ -49,6 +58,9 @@ class TraceStats:
     def as_dict(self, *, shard, requests, records, errors, wall, complete, servers, model, fingerprint):
         lat = sorted(self.latencies)
         t = self.totals
+        conversations = {"conversations": {"records": self.conversations, "turns": self.turns,
+                                           "turns_dropped": self.turns_dropped, "ended": dict(self.ended)}} \
+            if self.conversations else {}
         return {
             "shard": shard,
             "complete": complete,
@@ -77,15 +89,19 @@ class TraceStats:
             "answered_per_url": {s.url: s.answered for s in servers},
             "model": model,
             "fingerprint": fingerprint,
+            **conversations,  # a shard of conversations: their turns and how they ended (conversations.ENDINGS)
         }
 
 
 def summary(shard, s):
     """The one-line summary of a shard's statistics ``s`` (``TraceStats.as_dict``)."""
     resumed = f", {s['resumed']} resumed" if s["resumed"] else ""
+    c = s.get("conversations")
+    turns = (f"; {c['records']} conversations, {c['turns']} turns, ended: "
+             + ", ".join(f"{n} {why}" for why, n in sorted(c["ended"].items()))) if c else ""
     return (f"{shard}: {s['completed']} answers ({s['truncated']} truncated, {s['errors']} errors, "
             f"{s['retries']} retries{resumed}), {s['generated_tokens']} tokens in {s['wall_s']:.1f} s "
-            f"({s['requests_per_s'] or 0:.1f} req/s, {s['completion_tokens_per_s'] or 0:.0f} tok/s)")
+            f"({s['requests_per_s'] or 0:.1f} req/s, {s['completion_tokens_per_s'] or 0:.0f} tok/s){turns}")
 
 
 def write_stats_table(stats_paths, out_csv) -> "pandas.DataFrame":  # noqa: F821 (imported when called)

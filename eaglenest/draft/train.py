@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..settings import TrainSettings
-from ..states.hidden import HiddenShards
+from ..states.shards import HiddenShards
 from ..states.source import StateSource
 from ..states.target import TargetFacts, load_target_head
 from ..util import atomic_path, progress_bar, say

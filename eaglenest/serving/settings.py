@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import schema_field
 from ..errors import ConfigError, ServerError
+from ..settings import Stage, setting
 from ..util import is_local_path
 
 # Addresses only this machine reaches: a server bound to anything else requires an API key.
@@ -26,48 +26,64 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RUN_KEY_FILE = Path(".eaglenest") / "api_key"
 
 
+@dataclass(frozen=True)
+class SlurmSettings(Stage):
+    """`server.slurm:` in the workflow config: what the server job asks SLURM for."""
+
+    partition: str | None = setting("server.slurm.partition")  # the GPU partition (serving.slurm_cluster.gpu_partition)
+    account: str | None = setting("server.slurm.account")      # None: $SBATCH_ACCOUNT, else none
+    time: str | int = setting("server.slurm.time")             # sbatch --time; an int is minutes
+    cpus: int = setting("server.slurm.cpus")                   # --cpus-per-task of the one task
+    mem: str | int | None = setting("server.slurm.mem")        # --mem (e.g. "200G"; an int is MB)
+    gpus: int | None = setting("server.slurm.gpus")            # --gres=gpu:N; None: the GPUs a server uses
+    extra_sbatch_args: list[str] = setting("server.slurm.extra_sbatch_args")  # e.g. ["--qos=high"]
+    # What the GPU nodes were sized as, for the checks before any job (eaglenest.checks), never sent to sbatch:
+    gpu_type: str | None = setting("server.slurm.gpu_type", reruns=False)  # the GPU, e.g. H200 (gpus.GPU_MEMORY_GIB)
+    node_gpus: int | None = setting("server.slurm.node_gpus", reruns=False)  # GPUs a node has, where sinfo does not say
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SlurmSettings":
+        """The job's settings from a `server.slurm:` section (a key it lacks: the schema's default)."""
+        return cls(**{k: v for k, v in (d or {}).items() if k in cls.__dataclass_fields__})
+
+
 # server.slurm keys that state the GPU nodes a config was sized for: read by the checks before any job
-# (eaglenest.checks), never by the server's job.
-CHECKED_ONLY = ("gpu_type", "node_gpus")
+# (eaglenest.checks), never by the server's job, so they start no server again.
+CHECKED_ONLY = tuple(f.name for f in fields(SlurmSettings) if not f.metadata["reruns"])
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """The `server:` section of the workflow config, the server stage's settings (as eaglenest.settings'
-    classes are the other stages'); schemas/config.schema.yaml documents each key and holds its default
-    (the only place it is written)."""
+class ServerConfig(Stage):
+    """The `server:` section of the workflow config, the server stage's settings, declared as eaglenest.settings'
+    stages are (``setting``); schemas/config.schema.yaml documents each key and holds its default (the only
+    place it is written)."""
 
-    mode: str = schema_field("server", "mode")
-    model: str = schema_field("server", "model")
-    served_model_name: str | None = schema_field("server", "served_model_name")
-    host: str = schema_field("server", "host")
-    port: int | None = schema_field("server", "port")  # None: a free port where the server runs (serving.port)
-    urls: list[str] = schema_field("server", "urls")
-    replicas: int = schema_field("server", "replicas")
-    tensor_parallel_size: int = schema_field("server", "tensor_parallel_size")
-    max_model_len: int | None = schema_field("server", "max_model_len")
-    reasoning_parser: str | None = schema_field("server", "reasoning_parser")
-    gpu_memory_utilization: float | None = schema_field("server", "gpu_memory_utilization")
-    kv_cache_gb: float | None = schema_field("server", "kv_cache_gb")
-    dtype: str | None = schema_field("server", "dtype")
-    extra_args: list[str] = schema_field("server", "extra_args")
-    env: dict[str, str] = schema_field("server", "env")
-    api_key_env: str | None = schema_field("server", "api_key_env")
-    poll_interval: float = schema_field("server", "poll_interval")
-    ready_timeout: float = schema_field("server", "ready_timeout")
-    keep_server: bool = schema_field("server", "keep_server")
-    python: str | None = schema_field("server", "python")  # interpreter that has vLLM; None: this one
-    slurm: dict = schema_field("server", "slurm")  # mode slurm: slurm.SlurmSettings' keys
+    mode: str = setting("server.mode")
+    model: str = setting("server.model")
+    served_model_name: str | None = setting("server.served_model_name")
+    host: str = setting("server.host")
+    port: int | None = setting("server.port")  # None: a free port where the server runs (serving.port)
+    urls: list[str] = setting("server.urls")
+    replicas: int = setting("server.replicas")
+    tensor_parallel_size: int = setting("server.tensor_parallel_size")
+    max_model_len: int | None = setting("server.max_model_len")
+    reasoning_parser: str | None = setting("server.reasoning_parser")
+    gpu_memory_utilization: float | None = setting("server.gpu_memory_utilization")
+    kv_cache_gb: float | None = setting("server.kv_cache_gb")
+    dtype: str | None = setting("server.dtype")
+    extra_args: list[str] = setting("server.extra_args")
+    env: dict[str, str] = setting("server.env")
+    api_key_env: str | None = setting("server.api_key_env")
+    poll_interval: float = setting("server.poll_interval")
+    ready_timeout: float = setting("server.ready_timeout")
+    keep_server: bool = setting("server.keep_server")
+    python: str | None = setting("server.python")  # interpreter that has vLLM; None: this one
+    slurm: dict = setting("server.slurm")  # mode slurm: SlurmSettings' keys
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServerConfig":
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ServerConfig":
-        """The server's settings from a validated workflow config."""
-        return cls.from_dict(config["server"])
+        """The server's settings from a `server:` section (a key it lacks: the schema's default)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def fingerprint(self) -> dict:
         """Every server key but what the checks alone read (CHECKED_ONLY): any change starts (or finds) the

@@ -10,7 +10,7 @@ variables (``hidden_server_config``).
 
 ``extract_hidden_vllm`` sends each training sequence's exact token ids (a single answer's ``prompt +
 completion``, a conversation's chains of turns, ``data.sequences``; cut at ``hidden.max_length``: the same
-sequences and loss masks as the transformers backend, ``hidden.shard_sequences``)
+sequences and loss masks as the transformers backend, ``shards.shard_sequences``)
 to ``/v1/completions`` with ``max_tokens: 1``, ``hidden.vllm.concurrency`` requests in flight; reads the
 per-request file, refuses it unless its token ids are those sent (naming the trace id), applies the
 target's final RMSNorm to the final-layer state (the shard's ``last_hidden`` is post-norm, see
@@ -56,7 +56,7 @@ from ..serving.vllm import extraction_layer_ids, extraction_server_args
 from ..settings import HiddenSettings
 from ..util import open_locked, progress_bar, say
 from ..vllm_facts import vllm_version
-from .hidden import ShardWriter, check_free_disk, shard_layout, shard_sequences
+from .shards import ShardWriter, check_free_disk, shard_layout, shard_sequences
 from .preflight import estimate_bytes, states_file_bytes
 from .target import TargetFacts, load_target_head
 

@@ -1,6 +1,6 @@
 """What training reads the target's states through: ``StateSource``, the protocol both sources meet.
 
-``hidden.HiddenShards`` reads shards written ahead (``hidden.mode: files``); ``stream.StreamedStates``
+``shards.HiddenShards`` reads shards written ahead (``hidden.mode: files``); ``stream.StreamedStates``
 fetches the same sequences' states from the extraction server while training runs (``stream``).
 ``draft.train`` and ``draft.batches`` use only what this protocol names.
 """

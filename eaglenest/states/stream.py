@@ -1,7 +1,7 @@
 """Hidden states streamed from the extraction server while the draft trains (``hidden.mode: stream``).
 
-``StreamedStates`` stands where ``hidden.HiddenShards`` stands in ``train.py``: ``len()`` sequences,
-``length(k)``, ``[k]`` -> the rows of sequence k. Its sequences are the traces' (``hidden.shard_sequences``
+``StreamedStates`` stands where ``shards.HiddenShards`` stands in ``train.py``: ``len()`` sequences,
+``length(k)``, ``[k]`` -> the rows of sequence k. Its sequences are the traces' (``shards.shard_sequences``
 of each trace shard, in shard order: exactly the sequences, and the indices, of the shards files mode
 would write), so their lengths, hence the batch plan, are known without any hidden state. Training
 hands it the order in which it will read the sequences (``follow``); a background thread then asks
@@ -31,7 +31,7 @@ import torch
 
 from ..serving.client import RetryPolicy
 from .extract import ExtractError, StatesClient
-from .hidden import shard_sequences
+from .shards import shard_sequences
 
 PREFIX = "eaglenest-stream-"  # request ids of stream mode's requests (and their per-request files)
 DRAIN_SECONDS = 60  # close() waits this long at most for the requests in flight

@@ -18,11 +18,11 @@ from ..draft.checkpoint import load_checkpoint
 from ..draft.export import export_draft
 from ..draft.vllm_format import how_to_serve
 from ..errors import ServerError, ValidationError
-from ..serving.settings import ServerConfig
 from ..settings import ValidateSettings
 from ..util import say, write_atomic
 from .evalsets import read_prompts
-from .validate import measure_run, request_settings, resolve_settings
+from .requests import request_settings
+from .runs import measure_run, validation_server
 
 
 def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSettings | None = None, *,
@@ -31,25 +31,22 @@ def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSe
     writes it, with the step and tokens the draft had trained on, to ``json_path`` and returns it. ``settings``:
     validation's (None: the schema's defaults)."""
     settings = settings or ValidateSettings.defaults()
-    server, generation, validate = settings.server, settings.generation, settings.validate
     t0 = time.time()
-    s = resolve_settings(validate, generation)
-    k = s["num_speculative_tokens"]
+    k = settings.num_speculative_tokens
     name = f"curve_{Path(checkpoint_path).stem}"
     draft_dir = Path(log_dir) / name / "draft"
     shutil.rmtree(draft_dir, ignore_errors=True)
     export_draft(checkpoint_path, draft_dir)
     trained = load_checkpoint(checkpoint_path)[3]
     prompts = read_prompts(heldout_path)
-    srv = ServerConfig.from_dict(server)
-    if s.get("port"):
-        srv = dataclasses.replace(srv, port=s["port"])
+    srv = validation_server(settings)
     model, spec, _ = how_to_serve("vllm", draft_dir.resolve(), k, srv.model)
-    settings = request_settings(s["max_tokens"], generation, top_p=s["top_p"], seed=s["seed"])
+    requests = request_settings(settings.request_max_tokens, settings.generation, top_p=settings.request_top_p,
+                                seed=settings.seed)
     log(f"curve_point: the draft of step {trained['step']} of {trained['of_steps']} in vLLM ({len(prompts)} prompts, k={k})")
     try:
         run = measure_run(name, dataclasses.replace(srv, model=model, served_model_name=srv.model_id), spec, prompts,
-                          settings, log_dir=log_dir, concurrency=s["concurrency"], warmup_requests=0, min_seconds=0.0,
+                          requests, log_dir=log_dir, concurrency=settings.concurrency, warmup_requests=0, min_seconds=0.0,
                           workflow_pid=workflow_pid, log=log, k=k, one_request_runs=0)
     except ServerError as e:
         raise ValidationError(f"learning-curve point {checkpoint_path} could not start vLLM: {e}") from e
@@ -57,7 +54,7 @@ def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSe
         shutil.rmtree(draft_dir, ignore_errors=True)
     point = {"step": trained["step"], "of_steps": trained["of_steps"], "tokens": trained["tokens"],
              "train_loss": trained["loss"], "train_acc": trained.get("acc"), "prompts": len(prompts),
-             "temperature": 0.0, "max_tokens": s["max_tokens"], "k": k,
+             "temperature": 0.0, "max_tokens": settings.request_max_tokens, "k": k,
              "output_tokens": run["completion_tokens"], "seconds_to_ready": run["seconds_to_ready"],
              "seconds": round(time.time() - t0, 1),
              **{key: run[key] for key in ("tokens_per_step", "drafted_share", "decode_steps", "acceptance_length",

@@ -58,7 +58,8 @@ def load_set(spec: dict, cache_dir=None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="eaglenest-evalset-") as tmp:
         settings = PromptSettings.defaults().replace(path=spec["path"], shards=1, split=spec["split"],
                                                      limit=spec["limit"], heldout=0, seed=spec["seed"],
-                                                     cache_dir=cache_dir, columns=spec["columns"] or {})
+                                                     cache_dir=cache_dir, columns=spec["columns"] or {},
+                                                     max_turns=2)  # a second user turn: validation's turn 2
         prepare_prompts(tmp, settings, subset=spec["subset"], progress=False,
                         columns_key=f"validate.datasets ({spec['name']}).columns")
         rows = read_prompts(Path(tmp) / "shard_0.jsonl")

@@ -1,6 +1,6 @@
 """The validation matrix: every method × evaluation set × temperature, as one table.
 
-``build_matrix`` turns the vLLM runs' cells (``validate.measure_cell``, scored by ``validate.score_cells``)
+``build_matrix`` turns the vLLM runs' cells (``runs.measure_cell``, scored by ``validate.score_cells``)
 into ``validation.json``'s ``matrix`` (docs/validation.md describes it); ``cells_frame`` makes the
 same cells a pandas DataFrame, one row per cell, which is both ``reports/validation.csv`` and the
 source of the report's matrix tables. ``matrix_findings`` names the cells to worry about: an engine
@@ -26,6 +26,13 @@ COLUMNS = ("method", "set", "temperature", "top_p", "seed", "max_tokens", "promp
            "acceptance_length", "acceptance_rate", "drafts", "draft_tokens", "accepted",
            "output_tokens_per_s", "ms_per_token", "speedup", "score", "score_difference", "lossless_p",
            "lossless", "vllm_version")
+
+
+def matrix_temperatures(temperatures, generation_temperature) -> list[float]:
+    """validate.temperatures as validation measures them: null is 0 and generation.temperature, each once;
+    T=0 always (the headline and the offline check), sorted."""
+    temps = temperatures if temperatures is not None else [0.0, generation_temperature]
+    return sorted({float(t) for t in temps} | {0.0})
 
 
 def _cell_row(method: str, cell: dict, base: dict | None, version) -> dict:
@@ -56,7 +63,7 @@ def _difference(score, reference) -> float | None:
     return score - reference if score is not None and reference is not None else None
 
 
-def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, offline=None, warn_below=0.8) -> dict:
+def build_matrix(runs: dict, *, sets: list[dict], temperatures, top_p, seed, k, warn_below: float, offline=None) -> dict:
     """``validation.json``'s ``matrix``: the sets, the temperatures, one row per run × set × temperature
     (``cells``), and the offline prediction (held-out set, T=0) beside them."""
     base = {(c["set"], c["temperature"]): c for c in runs.get(BASELINE, {}).get("cells", [])}

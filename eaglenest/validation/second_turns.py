@@ -22,7 +22,7 @@ from .matrix import PER_DRAFTED_STEP
 from .plots import esc
 
 TURN = 2  # the turn measured (MT-Bench has two)
-# The keys of a measured cell that the report keeps (``validate.measure_cell``'s, answers dropped).
+# The keys of a measured cell that the report keeps (``runs.measure_cell``'s, answers dropped).
 FIGURES = ("prompts", "output_tokens", "tokens_per_step", "acceptance_length", "drafted_share", "per_position")
 
 

@@ -59,23 +59,3 @@ def train_toy_dflash(states: dict, out: Path) -> Path:
     export_draft(out / "checkpoint.safetensors", out / "export")
     return out
 
-
-def export_untrained(vocab_path, head_path, out_dir, *, seed=0, dtype="bfloat16") -> dict:
-    """A randomly initialised draft of the shape ``train_draft`` makes with the schema's draft settings, exported
-    to ``out_dir`` (vLLM's format): the baseline that validation's tests serve. Returns its config."""
-    import torch
-
-    from eaglenest.draft.checkpoint import draft_config
-    from eaglenest.draft.export import write_draft
-    from eaglenest.draft.model import Eagle3Draft
-    from eaglenest.draft.vocab import load_vocab
-    from eaglenest.settings import DraftSettings
-    from eaglenest.states.target import load_target_head
-
-    head, info = load_target_head(head_path)
-    d2t, t2d = load_vocab(vocab_path)
-    cfg = draft_config(info, len(d2t), DraftSettings.defaults())
-    torch.manual_seed(seed)
-    model = Eagle3Draft(cfg)
-    model.set_target(head["embed_tokens.weight"], d2t, t2d)
-    return write_draft(out_dir, cfg, info, model.state_dict(), None, None, dtype)

@@ -11,12 +11,14 @@ def measure_draft(name, wd: Path, cfg: dict, spec: dict, *, server: dict | None 
     measured on that run's held-out prompts (eight at a time after one warm-up request; this test's process
     is the watchdog's workflow). `server`: a server section other than cfg's. The answers are left out."""
     from eaglenest.serving.settings import ServerConfig
-    from eaglenest.validation.validate import measure_run, read_prompts, request_settings
+    from eaglenest.validation.evalsets import read_prompts
+    from eaglenest.validation.requests import request_settings
+    from eaglenest.validation.runs import measure_run
 
     run = measure_run(name, ServerConfig.from_dict(server or cfg["server"]), spec,
                       read_prompts(wd / "data/prompts/heldout.jsonl"), request_settings(cfg["generation"]["max_tokens"]),
                       log_dir=log_dir or wd / "logs/validate", concurrency=8, warmup_requests=1,
-                      workflow_pid=os.getpid())
+                      min_seconds=0.0, workflow_pid=os.getpid())
     return {k: v for k, v in run.items() if k != "answers"}
 
 
@@ -48,7 +50,7 @@ def offline_prediction(wd: Path, cfg: dict, draft_dir: Path) -> dict:
     """The draft in `draft_dir` predicted offline: the transformers target's greedy answers to the held-out
     prompts of the run in `wd`, K tokens (what vLLM's figure for it is checked against)."""
     from eaglenest.validation.predict import offline_acceptance
-    from eaglenest.validation.validate import read_prompts
+    from eaglenest.validation.evalsets import read_prompts
 
     return offline_acceptance(cfg["server"]["model"], draft_dir, k=K, prompts=read_prompts(wd / "data/prompts/heldout.jsonl"),
                               dtype="float32", device="cpu", max_tokens=cfg["generation"]["max_tokens"], progress=False)

@@ -69,14 +69,21 @@ def server_gone(port: int, pgids=(), timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
+# The session's toy server parses tool calls (vLLM's pythonic parser: no special tokens needed), so a test can
+# force a real one with a structured-output regex (tests/test_conversations.py); requests without tools are
+# answered as without these arguments.
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+
+
 def start_toy_server(log_dir: Path):
-    """A vLLM serving the toy target (BASE_CONFIG's server on a free port) that the test started and owns,
-    as a user's systemd service or hand-started server would be: (ServerConfig, pidfile record)."""
+    """A vLLM serving the toy target (BASE_CONFIG's server on a free port, parsing tool calls) that the test
+    started and owns, as a user's systemd service or hand-started server would be: (ServerConfig, pidfile record)."""
     from eaglenest.serving.lifecycle import wait_ready
     from eaglenest.serving.local import LocalPaths, start_local, stop_local
     from eaglenest.serving.settings import ServerConfig
 
-    cfg = ServerConfig.from_dict(BASE_CONFIG["server"])  # no port: the launcher takes a free one
+    server = BASE_CONFIG["server"]
+    cfg = ServerConfig.from_dict({**server, "extra_args": [*server["extra_args"], *TOOL_ARGS]})  # no port: a free one
     paths = LocalPaths(log_dir)
     record = start_local(cfg, paths, log=print)  # no workflow pid: no watchdog, the test owns it
     try:
