@@ -66,7 +66,7 @@ run: $(STAMP)
 # plans a preset (default: config.yaml); `snakemake -n` prints the same lines.
 CONFIG ?= config.yaml
 plan: $(STAMP)
-	$(PY) -m eaglenest.plan --configfile $(CONFIG)
+	$(PY) -m eaglenest.checks --configfile $(CONFIG)
 
 # Lint first (seconds), then the tests. The SLURM tests start their own one-node cluster (ci/slurm.sh:
 # private config, ports and munge; no system SLURM touched); it needs root, as CI has, else they skip.

@@ -1,5 +1,5 @@
 """Checks before any job (eaglenest.checks): a config the target or the disk cannot run stops `snakemake -n`
-and `python -m eaglenest.plan` with one line naming the key, the value, the limit and the fix, before
+and `python -m eaglenest.checks` with one line naming the key, the value, the limit and the fix, before
 any output is made. The target is a directory holding only a config.json (the toy's, changed)."""
 import json
 import os
@@ -109,7 +109,7 @@ WIRED = [c for c in CASES if c[0] in ("aux_0_on_kimi_k25", "files_mode_beyond_th
 def test_the_dry_run_and_the_plan_stop_before_any_job(name, target_changes, changes, words, tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(bad_config(tmp_path, target_changes, changes)))
-    plan = subprocess.run([sys.executable, "-m", "eaglenest.plan", "--configfile", str(config), "-d", str(tmp_path)],
+    plan = subprocess.run([sys.executable, "-m", "eaglenest.checks", "--configfile", str(config), "-d", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=_no_gpu_env())
     assert plan.returncode == 1 and plan.stdout.startswith("plan:\n")  # what it would cost, then what to fix
     assert len(plan.stderr.strip().splitlines()) == 1 and all(w in plan.stderr for w in words), plan.stderr
@@ -399,7 +399,7 @@ def test_every_schema_violation_is_listed_at_once(tmp_path):
 def test_the_plan_reports_every_failure_too(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(toy(tmp_path, validate={"num_speculative_tokens": 12}, draft={"vocab_size": 200})))
-    plan = subprocess.run([sys.executable, "-m", "eaglenest.plan", "--configfile", str(config), "-d", str(tmp_path)],
+    plan = subprocess.run([sys.executable, "-m", "eaglenest.checks", "--configfile", str(config), "-d", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=_no_gpu_env())
     assert plan.returncode == 1 and "validate.num_speculative_tokens 12" in plan.stderr
     assert "draft.vocab_size 200" in plan.stderr, plan.stderr

@@ -10,7 +10,7 @@ import yaml
 
 from eaglenest.config import validate_config
 from eaglenest.plan import RunSettings, answers_fingerprint, format_plan, make_plan
-from eaglenest.plan.__main__ import main
+from eaglenest.checks.__main__ import main
 from eaglenest.states.preflight import bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """Checks of a resolved config against the target, the disk, the GPUs and the cluster, before any job runs.
 
 `review_config` runs every check, whatever fails, so all failures are reported together; the workflow calls it
-at parse time (`snakemake -n` too) and `python -m eaglenest.plan` through `check_config`. Each failure is one
+at parse time (`snakemake -n` too) and `python -m eaglenest.checks` through `check_config`. Each failure is one
 line naming the key, its value, the limit and what to do. A check that needs what is not here (the target's
 config.json, where neither a local directory, the Hugging Face cache nor the hub gives it; sinfo, off a
 cluster; nvidia-smi) is skipped, and the plan says so in one line.

@@ -7,7 +7,7 @@ stage's time and GPU-hours, and the run's total: wall time, GPU-hours and peak d
 weights); generation's time comes from the measured rate once trace shards have finished, else from
 plan.generate_tokens_per_s, else from a rate assumed from the GPU kind and the weights' size, said so;
 `format_plan` writes them as the lines the workflow logs at every start (dry-runs included) and
-`python -m eaglenest.plan` (`make plan`) prints. Nothing here downloads anything or starts a job.
+`python -m eaglenest.checks` (`make plan`) prints. Nothing here downloads anything or starts a job.
 
 The settings it reads are each stage's (``RunSettings``, built once from the config); the figures are
 `figures`', the stages' times `times`', what it knows of the target `target`'s and the text `text`'s.

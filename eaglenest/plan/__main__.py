@@ -1,41 +1,7 @@
-"""`python -m eaglenest.plan` (`make plan`): the plan of a config file, then its checks (eaglenest.checks),
-as the workflow logs them at every start. Apart from the package, since the checks read the plan's figures."""
+"""`python -m eaglenest.plan` was the plan's command line; it is `python -m eaglenest.checks` now (`make plan`),
+which prints the plan and then the checks: the checks sit above the plan, which imports nothing of theirs."""
 
-from __future__ import annotations
-
-import argparse
-import shutil
 import sys
-from pathlib import Path
-
-import yaml
-
-from ..checks import check_config
-from ..config import resolve_shipped_paths, validate_config
-from ..errors import EaglenestError
-from . import __doc__ as plan_doc
-from . import format_plan, make_plan
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m eaglenest.plan", description=plan_doc.split("\n\n")[0])
-    p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: config.yaml)")
-    p.add_argument("--directory", "-d", default=".", help="the working directory (default: here)")
-    args = p.parse_args(argv)
-    try:  # a config the user can fix: one line, no traceback
-        config = validate_config(yaml.safe_load(Path(args.configfile).read_text()) or {}, source=args.configfile)
-        resolve_shipped_paths(config, args.directory, Path(__file__).resolve().parents[2])
-        has_gpu = bool(shutil.which("nvidia-smi"))
-        plan = make_plan(config, args.directory, has_gpu=has_gpu)
-    except (EaglenestError, OSError) as e:
-        sys.exit(f"{args.configfile}: {e}")
-    try:
-        plan.skipped = check_config(config, plan, args.directory, has_gpu=has_gpu)
-    except EaglenestError as e:  # the plan still shows what the run would cost, then every setting to fix
-        print(format_plan(plan))
-        sys.exit(f"{args.configfile}: {e}")
-    print(format_plan(plan))
-
 
 if __name__ == "__main__":
-    main()
+    sys.exit("python -m eaglenest.plan moved: run `python -m eaglenest.checks --configfile X -d WORKDIR` (or `make plan`)")
