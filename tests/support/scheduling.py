@@ -14,6 +14,7 @@ its workerinput, before it reports its collection; the scheduler reads them once
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 SESSION_CPUS = sorted(os.sched_getaffinity(0))  # imported by conftest, before pin_share takes this process's share
@@ -107,3 +108,6 @@ def pin_share() -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker and 1 < count <= len(SESSION_CPUS):
         os.sched_setaffinity(0, SESSION_CPUS[int(worker.removeprefix("gw")) % count::count])
+        if "torch" in sys.modules:  # imported before the share was taken: its threads would be one per core,
+            # and two of them on one core wait on each other (the toy's greedy answers took over 20 minutes)
+            sys.modules["torch"].set_num_threads(len(os.sched_getaffinity(0)))
