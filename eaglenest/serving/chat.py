@@ -113,7 +113,9 @@ class ChatRequests:
         self.total, self.progress, self.pbar = total, progress, None
 
     def finish(self, prompt, answer, choice, reasoning, latency, server, attempt):
-        raise NotImplementedError
+        """Keep one answered request: each kind of run keeps its own (a trace shard appends it to its partial
+        file, validation's answers hold it in memory), so the subclass says how."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it keeps an answer")
 
     def kept(self) -> str:
         """Where the finished work stays when the run fails (for its messages)."""

@@ -1,4 +1,4 @@
-"""Validation's requests, sent through the traces client (``traces.answer_prompts``): the settings each carries,
+"""Validation's requests, sent through the traces' request side (``serving.chat.answer_prompts``): the settings each carries,
 the timed passes over a prompt set, and the one-request-at-a-time speed."""
 
 from __future__ import annotations
