@@ -103,7 +103,7 @@ class ChatRequests:
         self.settings = settings
         self.model = settings.model
         self.api_key = api_key
-        self.retry = RetryPolicy(settings.max_retries, settings.backoff_base, settings.backoff_max)
+        self.retry = RetryPolicy.from_settings(settings)
         self.max_errors = max_errors
         self.body_head, self.body_tail = request_body(settings)
         self.errors = []         # this run's failed requests: {id, status, body, server, attempts}
