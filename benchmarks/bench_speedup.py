@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     k = s.num_speculative_tokens
     srv = validation_server(s)
     prompts = read_prompts(args.heldout)
-    settings = request_settings(s.request_max_tokens, s.generation)
+    settings = request_settings(s)
     plan = {
         "baseline": (srv.model, speculative_config("baseline", k)),
         "eagle3": how_to_serve("vllm", args.draft, k, srv.model)[:2],

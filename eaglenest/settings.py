@@ -325,7 +325,8 @@ class TrainSettings(Stage):
         return out
 
 
-# What validation's requests take from generation (validate.max_tokens and the temperatures win).
+# The generation keys in validation's fingerprint: what its requests take from generation that decides their
+# tokens or their wait (validation.requests.request_settings: validate.max_tokens, top_p and seed win).
 VALIDATION_GENERATION_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body",
                               "request_timeout")
 
@@ -354,8 +355,7 @@ class ValidateSettings(Stage):
     lossless_alpha: float = setting("validate.lossless_alpha")
     lossless_tolerance: float = setting("validate.lossless_tolerance")
     server: dict = setting("server")  # the validation servers take the generation server's settings
-    generation: dict = setting(lambda c: {k: c["generation"][k] for k in VALIDATION_GENERATION_KEYS},
-                               reads=tuple(f"generation.{k}" for k in VALIDATION_GENERATION_KEYS))
+    generation: GenerationSettings = setting(GenerationSettings.from_config)  # the requests' (request_settings)
     target: str = setting(target_model, reads=("hidden.target", "server.model"))
     hidden_dtype: str = setting("hidden.dtype")
     hidden_backend: str = setting("hidden.backend")
@@ -370,19 +370,20 @@ class ValidateSettings(Stage):
     @property
     def request_max_tokens(self) -> int:
         """The longest answer validation asks for: validate.max_tokens, else generation.max_tokens."""
-        return self.generation["max_tokens"] if self.max_tokens is None else self.max_tokens
+        return self.generation.max_tokens if self.max_tokens is None else self.max_tokens
 
     @property
     def request_top_p(self) -> float:
         """The top_p of validation's sampled cells: validate.top_p, else generation.top_p."""
-        return self.generation["top_p"] if self.top_p is None else self.top_p
+        return self.generation.top_p if self.top_p is None else self.top_p
 
     def fingerprint(self) -> dict:
         """The ``validate:`` section as the config wrote it (validate.drafts, ``other_drafts``, is not in it), less
         validate.second_turns where on (the default), so that a validation made before second turns were asked
         is not made again; then the servers, the requests, the target and the offline prediction's dtype and
-        backend."""
+        backend. Of generation, the keys its requests take (VALIDATION_GENERATION_KEYS)."""
         out = super().fingerprint()
+        out["generation"] = {k: copy.deepcopy(getattr(self.generation, k)) for k in VALIDATION_GENERATION_KEYS}
         section = {k: out.pop(k) for k in self.key_order if k in out}
         if section.get("second_turns"):
             del section["second_turns"]

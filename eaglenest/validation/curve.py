@@ -41,8 +41,7 @@ def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSe
     prompts = read_prompts(heldout_path)
     srv = validation_server(settings)
     model, spec, _ = how_to_serve("vllm", draft_dir.resolve(), k, srv.model)
-    requests = request_settings(settings.request_max_tokens, settings.generation, top_p=settings.request_top_p,
-                                seed=settings.seed)
+    requests = request_settings(settings)  # T=0
     log(f"curve_point: the draft of step {trained['step']} of {trained['of_steps']} in vLLM ({len(prompts)} prompts, k={k})")
     try:
         run = measure_run(name, dataclasses.replace(srv, model=model, served_model_name=srv.model_id), spec, prompts,

@@ -67,10 +67,9 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     t0 = time.time()
     prompts = read_prompts(heldout_path)
     srv = validation_server(settings)
-    headline = request_settings(settings.request_max_tokens, settings.generation, top_p=settings.request_top_p,
-                                seed=settings.seed)  # the headline's: T=0
+    headline = request_settings(settings)  # the headline's: T=0
     # The matrix: every set at every temperature, each measured on every server start.
-    temperatures = matrix_temperatures(settings.temperatures, settings.generation["temperature"])
+    temperatures = matrix_temperatures(settings.temperatures, settings.generation.temperature)
     sets = resolve_sets(settings.datasets, heldout_path)
     cells = _matrix_cells(settings, temperatures, sets, prompts, log)
     plan, formats, extras = _run_plan(drafts, settings, srv, log)
@@ -170,8 +169,7 @@ def _matrix_cells(settings: ValidateSettings, temperatures: list[float], sets: l
         for t in temperatures:
             headline = spec["name"] == "heldout" and t == 0
             cells.append({"set": spec["name"], "temperature": t, "prompts": rows if headline else some, "headline": headline,
-                          "settings": request_settings(settings.request_max_tokens, settings.generation, temperature=t,
-                                                       top_p=settings.request_top_p, seed=settings.seed,
+                          "settings": request_settings(settings, temperature=t,
                                                        chat_template_kwargs=spec["chat_template_kwargs"])})
     return cells
 
@@ -300,7 +298,7 @@ def _offline_prediction(settings: ValidateSettings, draft_dir, runs: dict, promp
     model = load_target(target, device=off["device"], dtype=offline_dtype)
     offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts,
                                  max_tokens=settings.request_max_tokens,
-                                 chat_template_kwargs=settings.generation["chat_template_kwargs"], dtype=offline_dtype,
+                                 chat_template_kwargs=settings.generation.chat_template_kwargs, dtype=offline_dtype,
                                  device=off["device"], model=model)
     log(f"validate_draft: offline {fmt(offline['tokens_per_step'])} tokens per target step (acceptance length per "
         f"drafted step {fmt(offline['acceptance_length'])}; {offline['drafts']} drafts, {offline['seconds']} s)")
