@@ -354,7 +354,9 @@ class ValidateSettings(Stage):
     matrix_prompts: int | None = setting("validate.matrix_prompts")
     lossless_alpha: float = setting("validate.lossless_alpha")
     lossless_tolerance: float = setting("validate.lossless_tolerance")
-    server: dict = setting("server")  # the validation servers take the generation server's settings
+    # The generation server's settings, which the validation servers start from: the fingerprint's "server" (the
+    # servers themselves start from the ServerConfig validate_draft and measure_point take).
+    served: dict = setting("server")
     generation: GenerationSettings = setting(GenerationSettings.from_config)  # the requests' (request_settings)
     target: str = setting(target_model, reads=("hidden.target", "server.model"))
     hidden_dtype: str = setting("hidden.dtype")
@@ -382,7 +384,7 @@ class ValidateSettings(Stage):
         validate.second_turns where on (the default), so that a validation made before second turns were asked
         is not made again; then the servers, the requests, the target and the offline prediction's dtype and
         backend. Of generation, the keys its requests take (VALIDATION_GENERATION_KEYS)."""
-        out = super().fingerprint()
+        out = {"server" if k == "served" else k: v for k, v in super().fingerprint().items()}
         out["generation"] = {k: copy.deepcopy(getattr(self.generation, k)) for k in VALIDATION_GENERATION_KEYS}
         section = {k: out.pop(k) for k in self.key_order if k in out}
         if section.get("second_turns"):

@@ -7,6 +7,7 @@ import pytest
 
 from eaglenest.config import validate_config
 from eaglenest.errors import ValidationError
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.settings import ValidateSettings
 from eaglenest.vllm_facts import acceptance, spec_counters
 from eaglenest.validation import metrics, requests, runs, validate
@@ -42,8 +43,6 @@ def test_counter_differences_give_the_run_alone():
 
 
 def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
-    from eaglenest.serving.settings import ServerConfig
-
     srv = ServerConfig(model="x", extra_args=["--speculative-config", "{}"])
     with pytest.raises(ValidationError, match="server.extra_args"):
         runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], greedy(), log_dir=tmp_path,
@@ -191,11 +190,11 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     monkeypatch.setattr(v, "served_scores", fake_scores)
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
-    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
-    settings = ValidateSettings.defaults().replace(server=server, max_tokens=8, target=server["model"],
-                                                   temperatures=[0, 1.0], hidden_backend="vllm")
+    server = ServerConfig(mode="local", model=str(data["head_path"].parent), served_model_name="t")
+    settings = ValidateSettings.defaults().replace(max_tokens=8, target=server.model, temperatures=[0, 1.0],
+                                                   hidden_backend="vllm")
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
-                              log=lambda m: None)
+                              server=server, log=lambda m: None)
     assert order == ["eagle3", "ngram", "baseline"]
     assert sum(scored) == 3 * 2 * 3, "every run's two cells of three outputs, scored on the target-alone server"
     assert "skipped" in report["offline"] and "acceptance_length" not in report["offline"]
@@ -244,12 +243,12 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     monkeypatch.setattr(v, "measure_run", fake_run)
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
-    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
+    server = ServerConfig(mode="local", model=str(data["head_path"].parent), served_model_name="t")
     settings = ValidateSettings.defaults().replace(
-        server=server, max_tokens=8, target=server["model"], temperatures=[0, 1.0], hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
+        max_tokens=8, target=server.model, temperatures=[0, 1.0], hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
     logged = []
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
-                              log=logged.append)
+                              server=server, log=logged.append)
     assert list(served) == ["eagle3", "draft_p", "draft_d", "ngram", "baseline"]  # the target alone scores, last
     assert served["draft_p"][0]["parallel_drafting"] is True and served["draft_d"][0]["method"] == "dflash"
     assert served["draft_d"][0]["num_speculative_tokens"] == 3 and any("trained for k=7" in m for m in logged)
@@ -268,8 +267,6 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     """The counters are read around every timed request of a run (each one-request phase and the concurrent
     one, every pass): the tokens per step divide by the steps of all of them, not of the first pass only.
     A cell reads its own counters around its own requests; the headline cell takes the run's figures."""
-    from eaglenest.serving.settings import ServerConfig
-
     v = runs
     readings = iter([{"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}},
                      # the headline phases: 3 passes of 2 requests, 10 tokens each: 60 tokens, 6 requests

@@ -52,10 +52,11 @@ OFFLINE_SKIPPED = ("validate.offline.engine resolves to none (hidden.backend {ba
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, settings: ValidateSettings | None = None,
-                   *, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None,
-                   curve_paths=()) -> dict:
+                   *, server: ServerConfig | None = None, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None,
+                   log=print, csv_path=None, curve_paths=()) -> dict:
     """The whole validation (module docstring); returns the report dict it wrote. ``settings``: the
-    stage's (the servers, the requests, the target; None: the schema's defaults). ``drafts``:
+    stage's (the runs, the requests, the target; None: the schema's defaults); ``server``: the generation
+    server's settings, which every run's server starts from (None: the schema's defaults). ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
     checkpoint) adds the export-against-training check; ``curve_paths``: the learning curve's points
@@ -66,7 +67,7 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
     t0 = time.time()
     prompts = read_prompts(heldout_path)
-    srv = validation_server(settings)
+    srv = validation_server(settings, server or ServerConfig.defaults())
     headline = request_settings(settings)  # the headline's: T=0
     # The matrix: every set at every temperature, each measured on every server start.
     temperatures = matrix_temperatures(settings.temperatures, settings.generation.temperature)
