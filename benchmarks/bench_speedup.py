@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglenest.config import load_config  # noqa: E402
 from eaglenest.draft.vllm_format import how_to_serve  # noqa: E402
+from eaglenest.serving.settings import ServerConfig  # noqa: E402
 from eaglenest.settings import ValidateSettings  # noqa: E402
 from eaglenest.vllm_facts import speculative_config  # noqa: E402
 from eaglenest.validation.evalsets import read_prompts  # noqa: E402
@@ -45,11 +46,12 @@ def main(argv=None) -> None:
     ap.add_argument("--log-dir", default="logs/bench_speedup")
     args = ap.parse_args(argv)
 
-    s = ValidateSettings.from_config(load_config(args.config))
+    config = load_config(args.config)
+    s = ValidateSettings.from_config(config)
     k = s.num_speculative_tokens
-    srv = validation_server(s)
+    srv = validation_server(s, ServerConfig.from_config(config))
     prompts = read_prompts(args.heldout)
-    settings = request_settings(s.request_max_tokens, s.generation)
+    settings = request_settings(s)
     plan = {
         "baseline": (srv.model, speculative_config("baseline", k)),
         "eagle3": how_to_serve("vllm", args.draft, k, srv.model)[:2],

@@ -46,6 +46,17 @@ from bench_extract import write_traces  # noqa: E402
 from bench_train import SIZES, flops_per_token, matmul_rate  # noqa: E402
 
 from eaglenest.draft.device import AUTO_KEYS  # noqa: E402
+from eaglenest.settings import TrainSettings  # noqa: E402
+
+
+def train_settings(changes: dict) -> TrainSettings:
+    """The schema's TrainSettings with flat ``changes``: TrainSettings fields, the draft's shape keys (DraftSettings.shape)
+    and ``dflash`` (a dict of DFlashSettings fields)."""
+    base, changes = TrainSettings.defaults(), dict(changes)
+    draft = base.draft.replace(**{k: changes.pop(k) for k in list(changes) if k in base.draft.shape()})
+    if "dflash" in changes:
+        draft = draft.replace(dflash=draft.dflash.replace(**changes.pop("dflash")))
+    return base.replace(draft=draft, **changes)
 
 
 def make_data(root, size, seqs, seq, dev):
@@ -109,7 +120,6 @@ def data_dir(root, size, seqs, seq):
 
 
 def main():
-    from eaglenest.draft.checkpoint import settings_with
     from eaglenest.draft.device import resolve_runtime
     from eaglenest.draft.dflash_train import train_dflash
     from eaglenest.draft.train import train_draft
@@ -124,7 +134,7 @@ def main():
     p.add_argument("--dir", default=None, help="local directory for the shards (default: a temp dir)")
     p.add_argument("--out", default=None, help="directory for a JSON copy of the results")
     p.add_argument("--config", default="{}", help="training settings overrides as JSON, keyed as the checkpoint records them "
-                   "(train: keys and the draft's shape keys: checkpoint.settings_with; labelled in the output; "
+                   "(train: keys, the draft's shape keys and dflash: train_settings; labelled in the output; "
                    "the figures of issue 12 use none)")
     p.add_argument("--kind", default=None, choices=["eagle3", "eagle3.1", "peagle", "dflash"],
                    help="the draft kind (draft.kind; default: the training config's)")
@@ -143,7 +153,7 @@ def main():
         config["ttt_length"] = a.ttt
     if a.kind:
         config["kind"] = a.kind
-    resolved = resolve_runtime(settings_with(config), dev)
+    resolved = resolve_runtime(train_settings(config), dev)
     kind = resolved.draft.kind
     results = []
     for size in a.sizes:
@@ -169,7 +179,7 @@ def main():
             t0 = time.perf_counter()
             stats = trainer([data_root / "shard_0.safetensors"], data_root / "vocab.safetensors", root / "draft.safetensors",
                             root / "metrics.csv", head_path=data_root / "target_head.safetensors",
-                            settings=settings_with(config).replace(device=dev), state_dir=root / "state", progress=False)
+                            settings=train_settings(config).replace(device=dev), state_dir=root / "state", progress=False)
             wall = time.perf_counter() - t0
             rows = list(csv.DictReader(open(root / "metrics.csv")))
             after = [r for r in rows if int(r["step"]) > a.warmup]

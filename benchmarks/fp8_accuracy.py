@@ -96,13 +96,13 @@ class _OnDevice:
 
 
 def train(root, name, config, dev):
-    from eaglenest.draft.checkpoint import settings_with
     from eaglenest.draft.train import train_draft
+    from eaglenest.settings import TrainSettings
 
     t0 = time.perf_counter()
     stats = train_draft([root / "shard_0.safetensors"], root / "vocab.safetensors", root / f"{name}.safetensors",
                         root / f"{name}.csv", head_path=root / "target_head.safetensors",
-                        settings=settings_with(config).replace(device=dev), state_dir=root / f"state_{name}", progress=False)
+                        settings=TrainSettings.defaults().replace(**config, device=dev), state_dir=root / f"state_{name}", progress=False)
     rows = list(csv.DictReader(open(root / f"{name}.csv")))
     return rows, stats, round(time.perf_counter() - t0, 1)
 

@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from eaglenest.draft.checkpoint import settings_with
 from eaglenest.draft.config import DraftConfig
 from eaglenest.draft.device import configure_compile, resolve_runtime
 from eaglenest.draft.dflash import DFlashConfig, DFlashDraft, sample_anchors
@@ -33,6 +32,7 @@ from eaglenest.draft.optim import clip_and_step
 from eaglenest.draft.runtime import Runtime
 from eaglenest.draft.targets import target_distribution
 from eaglenest.draft.train import make_optimizer
+from eaglenest.settings import TrainSettings
 
 FAST = {"attention": "flex", "compiled": True, "recompute": True, "fused_loss": True, "split_step_grads": True, "diag_split": True,
         "skip_unscored": True}
@@ -336,7 +336,8 @@ def check_peagle(dev):
     init_away(model)
     model.set_target(torch.randn(V, H) * 0.5, torch.zeros(DV, dtype=torch.int64), torch.arange(V) < DV)
     model.to(dev).train()
-    train_cfg = resolve_runtime(settings_with({"kind": "peagle"}), dev)
+    base = TrainSettings.defaults()
+    train_cfg = resolve_runtime(base.replace(draft=base.draft.replace(kind="peagle")), dev)
     fast = Runtime.from_settings(train_cfg)
     if dev != "cuda":  # train_draft's CPU path is the reference itself: the one call anyway, uncompiled
         fast = dataclasses.replace(fast, attention="flex", fused_loss=True, compiled=False)

@@ -130,9 +130,10 @@ class QuestionSettings(Stage):
     backoff_max: float = setting("generation.backoff_max", reruns=False)
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
 
-    def retry(self) -> dict:
-        """The client's retry settings, as serving.client.RetryPolicy.from_settings reads them."""
-        return {k: getattr(self, k) for k in ("max_retries", "backoff_base", "backoff_max")}
+    def retry(self) -> "QuestionSettings":
+        """What serving.client.RetryPolicy.from_settings reads (max_retries, backoff_base, backoff_max): these
+        settings themselves. Left for data/questions.py's call until it passes the settings directly; then it goes."""
+        return self
 
     def fingerprint(self) -> dict:
         """First questions alone (turns 1) are written without answers: neither the turns nor the answers'
@@ -324,7 +325,8 @@ class TrainSettings(Stage):
         return out
 
 
-# What validation's requests take from generation (validate.max_tokens and the temperatures win).
+# The generation keys in validation's fingerprint: what its requests take from generation that decides their
+# tokens or their wait (validation.requests.request_settings: validate.max_tokens, top_p and seed win).
 VALIDATION_GENERATION_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "extra_body",
                               "request_timeout")
 
@@ -352,9 +354,10 @@ class ValidateSettings(Stage):
     matrix_prompts: int | None = setting("validate.matrix_prompts")
     lossless_alpha: float = setting("validate.lossless_alpha")
     lossless_tolerance: float = setting("validate.lossless_tolerance")
-    server: dict = setting("server")  # the validation servers take the generation server's settings
-    generation: dict = setting(lambda c: {k: c["generation"][k] for k in VALIDATION_GENERATION_KEYS},
-                               reads=tuple(f"generation.{k}" for k in VALIDATION_GENERATION_KEYS))
+    # The generation server's settings, which the validation servers start from: the fingerprint's "server" (the
+    # servers themselves start from the ServerConfig validate_draft and measure_point take).
+    served: dict = setting("server")
+    generation: GenerationSettings = setting(GenerationSettings.from_config)  # the requests' (request_settings)
     target: str = setting(target_model, reads=("hidden.target", "server.model"))
     hidden_dtype: str = setting("hidden.dtype")
     hidden_backend: str = setting("hidden.backend")
@@ -369,19 +372,20 @@ class ValidateSettings(Stage):
     @property
     def request_max_tokens(self) -> int:
         """The longest answer validation asks for: validate.max_tokens, else generation.max_tokens."""
-        return self.generation["max_tokens"] if self.max_tokens is None else self.max_tokens
+        return self.generation.max_tokens if self.max_tokens is None else self.max_tokens
 
     @property
     def request_top_p(self) -> float:
         """The top_p of validation's sampled cells: validate.top_p, else generation.top_p."""
-        return self.generation["top_p"] if self.top_p is None else self.top_p
+        return self.generation.top_p if self.top_p is None else self.top_p
 
     def fingerprint(self) -> dict:
         """The ``validate:`` section as the config wrote it (validate.drafts, ``other_drafts``, is not in it), less
         validate.second_turns where on (the default), so that a validation made before second turns were asked
         is not made again; then the servers, the requests, the target and the offline prediction's dtype and
-        backend."""
-        out = super().fingerprint()
+        backend. Of generation, the keys its requests take (VALIDATION_GENERATION_KEYS)."""
+        out = {"server" if k == "served" else k: v for k, v in super().fingerprint().items()}
+        out["generation"] = {k: copy.deepcopy(getattr(self.generation, k)) for k in VALIDATION_GENERATION_KEYS}
         section = {k: out.pop(k) for k in self.key_order if k in out}
         if section.get("second_turns"):
             del section["second_turns"]

@@ -170,7 +170,7 @@ def test_second_turns_are_asked_after_the_target_alones_answers(toy_server, tmp_
     heldout.write_text(json.dumps(row) + "\n")
     # 96 tokens: the toy's reasoning, then its answer, the context turn 2 must carry
     s = ValidateSettings.defaults()
-    s = s.replace(temperatures=[0.0], max_tokens=96, generation={**s.generation, "request_timeout": GENERATION["request_timeout"]})
+    s = s.replace(temperatures=[0.0], max_tokens=96, generation=s.generation.replace(request_timeout=GENERATION["request_timeout"]))
     cells = _matrix_cells(s, [0.0], resolve_sets([], heldout), read_prompts(heldout), print)
     result = {"cells": [measure_cell(url, cfg.model_id, c) for c in cells]}
     (first,) = result["cells"][0]["answers"]
@@ -207,8 +207,8 @@ def test_the_target_alone_server_scores_outputs_as_transformers_does(toy_server,
     cfg, _ = toy_server
     url = f"http://{cfg.host}:{cfg.port}"
     prompts = [json.loads(line) for line in _prompts(tmp_path / "p.jsonl", 2).read_text().splitlines()]
-    greedy = answer_prompts(prompts, url=url, model=cfg.model_id, generation={**GENERATION, "temperature": 0.0})
-    sampled = answer_prompts(prompts, url=url, model=cfg.model_id, generation={**GENERATION, "temperature": 1.0, "seed": 3})
+    greedy = answer_prompts(prompts, url=url, model=cfg.model_id, generation=settings(temperature=0.0))
+    sampled = answer_prompts(prompts, url=url, model=cfg.model_id, generation=settings(temperature=1.0, seed=3))
     sequences = [(a["prompt_token_ids"], a["completion_token_ids"]) for a in greedy + sampled]
     wrong = list(reversed(sequences[0][1]))
     sequences += [(sequences[0][0], wrong), (sequences[0][0], [])]

@@ -147,6 +147,7 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     from transformers import AutoTokenizer
 
     from tests.support.config import TOY_TARGET
+    from eaglenest.settings import GenerationSettings
     from eaglenest.validation.report import cross_checks
     from eaglenest.states.target import chat_prompt_ids
 
@@ -158,7 +159,7 @@ def test_cross_checks_compare_the_runs_answers_and_vllms_prompt_tokens():
     base[1]["prompt_token_ids"] = base[1]["prompt_token_ids"][:-1]  # vLLM templated this one differently
     runs = {"baseline": {"answers": base, "served_dtype": "bfloat16"}, "eagle3": {"answers": base},
             "ngram": {"answers": [dict(a, completion_token_ids=[5]) for a in base]}}
-    checks = cross_checks(TOY_TARGET, prompts, runs, {}, {"dtype": "float32", "target_agreement": 1.0})
+    checks = cross_checks(TOY_TARGET, prompts, runs, GenerationSettings.defaults(), {"dtype": "float32", "target_agreement": 1.0})
     assert checks["prompt_template_mismatches"] == 1 and checks["finish_reasons"] == {"stop": 2}
     assert checks["eagle3_outputs_equal_baseline"] == 1.0 and checks["ngram_outputs_equal_baseline"] == 0.0
     assert (checks["served_dtype"], checks["offline_dtype"]) == ("bfloat16", "float32")

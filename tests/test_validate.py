@@ -7,6 +7,7 @@ import pytest
 
 from eaglenest.config import validate_config
 from eaglenest.errors import ValidationError
+from eaglenest.serving.settings import ServerConfig
 from eaglenest.settings import ValidateSettings
 from eaglenest.vllm_facts import acceptance, spec_counters
 from eaglenest.validation import metrics, requests, runs, validate
@@ -15,6 +16,11 @@ from eaglenest.validation.metrics import counter_delta
 from tests.support.reports import OFFLINE, sample_report
 from tests.support.untrained import export_untrained
 from tests.support.vllm_metrics import METRICS_BEFORE, metrics_after
+
+
+def greedy(max_tokens: int | None = None):
+    """Validation's T=0 request settings with the schema's defaults (and ``max_tokens`` long)."""
+    return requests.request_settings(ValidateSettings.defaults().replace(max_tokens=max_tokens))
 
 
 def test_counter_differences_give_the_run_alone():
@@ -37,11 +43,9 @@ def test_counter_differences_give_the_run_alone():
 
 
 def test_measure_run_refuses_a_speculative_config_in_extra_args(tmp_path):
-    from eaglenest.serving.settings import ServerConfig
-
     srv = ServerConfig(model="x", extra_args=["--speculative-config", "{}"])
     with pytest.raises(ValidationError, match="server.extra_args"):
-        runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], {}, log_dir=tmp_path,
+        runs.measure_run("eagle3", srv, {"method": "ngram", "num_speculative_tokens": 3}, [], greedy(), log_dir=tmp_path,
                          concurrency=8, warmup_requests=0, min_seconds=0.0)
 
 
@@ -57,7 +61,7 @@ def test_client_counts_tokens_and_repeats_until_min_seconds():
     from tests.stub_server import MODEL, StubServer
 
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(5)]
-    body = requests.request_settings(16)
+    body = greedy(16)
     with StubServer(delay=0.05, answer_tokens=10) as stub:
         one = requests.run_requests(stub.url, MODEL, prompts, body, concurrency=2)
         tokens = sum(len(a["completion_token_ids"]) for a in one["answers"])
@@ -88,27 +92,34 @@ def test_client_retries_then_fails_with_the_url_and_status():
 
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "hello"}]}]
     with StubServer(fail_times=1, fail_status=503) as stub:  # one 503, then an answer: retried
-        assert requests.run_requests(stub.url, MODEL, prompts, requests.request_settings(8))["requests"] == 1
+        assert requests.run_requests(stub.url, MODEL, prompts, greedy(8))["requests"] == 1
     with StubServer(reject_match="hello") as stub:  # a 400 is not retried
         with pytest.raises(ValidationError,
                            match=r"requests to http://127\.0\.0\.1:\d+ failed: .*1 of 1 requests failed; first: HTTP 400"):
-            requests.run_requests(stub.url, MODEL, prompts, requests.request_settings(8))
+            requests.run_requests(stub.url, MODEL, prompts, greedy(8))
 
 
 def test_request_settings_are_greedy_whatever_the_generation_config_says():
-    s = requests.request_settings(32, {"temperature": 0.7, "max_tokens": 4096, "not_a_generation_key": 0.1,
-                                       "chat_template_kwargs": {"enable_thinking": False},
-                                       "extra_body": {"temperature": 1.0, "top_k": 5}})
-    assert s == {"temperature": 0.0, "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False},
-                 "extra_body": {"top_k": 5}}
+    """Validation's requests take generation's template arguments, extra body, timeout and retries, never its
+    sampling: T=0 by default, validate's max_tokens and seed, and extra_body's sampling keys dropped."""
+    s = ValidateSettings.from_config(validate_config({"validate": {"max_tokens": 32}, "generation": {
+        "temperature": 0.7, "max_tokens": 4096, "seed": 5, "chat_template_kwargs": {"enable_thinking": False},
+        "extra_body": {"temperature": 1.0, "top_k": 5}, "request_timeout": 9, "max_retries": 2}}))
+    r = requests.request_settings(s)
+    assert requests.sent_settings(r) == {"temperature": 0.0, "top_p": 1.0, "seed": 0, "max_tokens": 32}
+    assert r.chat_template_kwargs == {"enable_thinking": False} and r.extra_body == {"top_k": 5}
+    assert (r.request_timeout, r.max_retries) == (9, 2)
 
 
 def test_request_settings_carry_the_cell_sampling_settings():
-    s = requests.request_settings(64, {"temperature": 0.0, "extra_body": {"top_p": 0.5, "top_k": 5}},
-                                  temperature=1.0, top_p=0.95, seed=7, chat_template_kwargs={"thinking": True})
-    assert s["temperature"] == 1.0 and s["top_p"] == 0.95 and s["seed"] == 7 and s["max_tokens"] == 64
-    assert s["extra_body"] == {"top_k": 5} and s["chat_template_kwargs"] == {"thinking": True}
-    assert requests.sent_settings(s) == {"temperature": 1.0, "top_p": 0.95, "seed": 7, "max_tokens": 64}
+    s = ValidateSettings.from_config(validate_config({"validate": {"max_tokens": 64, "top_p": 0.95, "seed": 7},
+                                                      "generation": {"extra_body": {"top_p": 0.5, "top_k": 5}}}))
+    r = requests.request_settings(s, temperature=1.0, chat_template_kwargs={"thinking": True})
+    assert r.extra_body == {"top_k": 5} and r.chat_template_kwargs == {"thinking": True}
+    assert requests.sent_settings(r) == {"temperature": 1.0, "top_p": 0.95, "seed": 7, "max_tokens": 64}
+    # validate.seed null: no seed (the schema's "none"); validate.top_p null: generation's
+    unseeded = requests.request_settings(s.replace(seed=None, top_p=None), temperature=1.0)
+    assert requests.sent_settings(unseeded) == {"temperature": 1.0, "top_p": 1.0, "seed": None, "max_tokens": 64}
 
 
 def test_temperatures_default_to_zero_and_the_generation_temperature():
@@ -117,10 +128,10 @@ def test_temperatures_default_to_zero_and_the_generation_temperature():
                                                                                                   "top_p": 0.95}}))
 
     s = stage()
-    assert matrix_temperatures(s.temperatures, s.generation["temperature"]) == [0.0, 0.6] and s.request_top_p == 0.95
+    assert matrix_temperatures(s.temperatures, s.generation.temperature) == [0.0, 0.6] and s.request_top_p == 0.95
     assert matrix_temperatures(None, 0.0) == [0.0]
     s = stage(temperatures=[1.0, 0.6, 1.0], top_p=0.8)
-    assert matrix_temperatures(s.temperatures, s.generation["temperature"]) == [0.0, 0.6, 1.0]  # T=0 always, each once
+    assert matrix_temperatures(s.temperatures, s.generation.temperature) == [0.0, 0.6, 1.0]  # T=0 always, each once
     assert s.request_top_p == 0.8
 
 
@@ -179,11 +190,11 @@ def test_without_a_transformers_target_the_target_alone_server_scores_every_run_
     monkeypatch.setattr(v, "served_scores", fake_scores)
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
-    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
-    settings = ValidateSettings.defaults().replace(server=server, max_tokens=8, target=server["model"],
-                                                   temperatures=[0, 1.0], hidden_backend="vllm")
+    server = ServerConfig(mode="local", model=str(data["head_path"].parent), served_model_name="t")
+    settings = ValidateSettings.defaults().replace(max_tokens=8, target=server.model, temperatures=[0, 1.0],
+                                                   hidden_backend="vllm")
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
-                              log=lambda m: None)
+                              server=server, log=lambda m: None)
     assert order == ["eagle3", "ngram", "baseline"]
     assert sum(scored) == 3 * 2 * 3, "every run's two cells of three outputs, scored on the target-alone server"
     assert "skipped" in report["offline"] and "acceptance_length" not in report["offline"]
@@ -232,12 +243,12 @@ def test_validate_drafts_are_served_by_their_kind_and_set_side_by_side(data, tmp
     monkeypatch.setattr(v, "measure_run", fake_run)
     monkeypatch.setattr(v, "load_target", lambda *a, **k: pytest.fail("loaded the whole target into transformers"))
     monkeypatch.setattr(v, "vllm_version", lambda python: "0.32.0")
-    server = {"mode": "local", "model": str(data["head_path"].parent), "served_model_name": "t"}
+    server = ServerConfig(mode="local", model=str(data["head_path"].parent), served_model_name="t")
     settings = ValidateSettings.defaults().replace(
-        server=server, max_tokens=8, target=server["model"], temperatures=[0, 1.0], hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
+        max_tokens=8, target=server.model, temperatures=[0, 1.0], hidden_backend="vllm", other_drafts=[{"name": "p", "path": str(tmp_path / "peagle")}, {"name": "d", "path": str(tmp_path / "dflash")}])
     logged = []
     report = v.validate_draft(tmp_path / "draft", heldout, metrics, tmp_path / "r.json", tmp_path / "r.html", settings,
-                              log=logged.append)
+                              server=server, log=logged.append)
     assert list(served) == ["eagle3", "draft_p", "draft_d", "ngram", "baseline"]  # the target alone scores, last
     assert served["draft_p"][0]["parallel_drafting"] is True and served["draft_d"][0]["method"] == "dflash"
     assert served["draft_d"][0]["num_speculative_tokens"] == 3 and any("trained for k=7" in m for m in logged)
@@ -256,8 +267,6 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     """The counters are read around every timed request of a run (each one-request phase and the concurrent
     one, every pass): the tokens per step divide by the steps of all of them, not of the first pass only.
     A cell reads its own counters around its own requests; the headline cell takes the run's figures."""
-    from eaglenest.serving.settings import ServerConfig
-
     v = runs
     readings = iter([{"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}},
                      # the headline phases: 3 passes of 2 requests, 10 tokens each: 60 tokens, 6 requests
@@ -280,10 +289,10 @@ def test_tokens_per_step_cover_exactly_the_requests_the_counters_do(tmp_path, mo
     monkeypatch.setattr(v, "settled_counters", lambda *a, **k: next(readings))
     monkeypatch.setattr(v, "run_requests", fake_requests)
     prompts = [{"id": "a"}, {"id": "b"}]
-    cells = [{"set": "heldout", "temperature": 0.0, "prompts": prompts, "settings": {}, "headline": True},
-             {"set": "heldout", "temperature": 1.0, "prompts": prompts, "settings": {}}]
+    cells = [{"set": "heldout", "temperature": 0.0, "prompts": prompts, "settings": greedy(), "headline": True},
+             {"set": "heldout", "temperature": 1.0, "prompts": prompts, "settings": greedy().replace(temperature=1.0)}]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, {}, log_dir=tmp_path, concurrency=8,
+    run = v.measure_run("ngram", ServerConfig(model="x"), spec, prompts, greedy(), log_dir=tmp_path, concurrency=8,
                         warmup_requests=0, min_seconds=0.0, cells=cells, log=lambda m: None)
     # 6 requests, 60 tokens, 18 accepted: 60 - 6 - 18 = 36 steps, 18 of them drafted
     assert (run["counted_requests"], run["counted_completion_tokens"], run["decode_steps"]) == (6, 60, 36)

@@ -26,21 +26,6 @@ def train_record(settings: TrainSettings) -> dict:
     return {**out, **settings.draft.shape(), "dflash": settings.draft.dflash.fingerprint()}
 
 
-def settings_with(changes: dict, base: TrainSettings | None = None) -> TrainSettings:
-    """``base`` (None: the schema's defaults) with ``changes``, keyed as ``train_record`` keys them (the
-    benchmarks' and tests' flat overrides): TrainSettings fields, the draft's shape keys, ``dflash`` (a dict
-    of DFlashSettings fields). An unknown key raises, naming the known ones."""
-    base = base or TrainSettings.defaults()
-    changes = dict(changes)
-    unknown = sorted(set(changes) - set(train_record(base)) - {"device"})
-    if unknown:
-        raise ValueError(f"unknown training keys {unknown}; known: {sorted(train_record(base))}")
-    draft = base.draft.replace(**{k: changes.pop(k) for k in list(changes) if k in base.draft.shape()})
-    if "dflash" in changes:
-        draft = draft.replace(dflash=draft.dflash.replace(**changes.pop("dflash")))
-    return base.replace(draft=draft, **changes)
-
-
 def draft_config(info: TargetFacts, draft_vocab_size, draft: DraftSettings) -> DraftConfig | DFlashConfig:
     """The draft's shape: the target's sizes unless ``draft`` overrides them."""
     if draft.kind == DFLASH:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 
-from ..config import defaults
 from ..errors import TracesError
 from ..settings import GenerationSettings
 from ..util import progress_bar, say
@@ -23,8 +22,6 @@ from .client import (CONNECTION_ERRORS, CONNECTION_LOST, PROBE_TIMEOUT, RETRY_ST
 
 __all__ = ["ChatRequests", "Replica", "answer_prompts", "answer_record", "base_url"]
 
-# The `generation:` section's keys and defaults (the schema's), for validation's request settings.
-GENERATION_DEFAULTS = defaults("generation")
 ERROR_BODY_CHARS = 2000
 
 
@@ -103,7 +100,7 @@ class ChatRequests:
         self.settings = settings
         self.model = settings.model
         self.api_key = api_key
-        self.retry = RetryPolicy(settings.max_retries, settings.backoff_base, settings.backoff_max)
+        self.retry = RetryPolicy.from_settings(settings)
         self.max_errors = max_errors
         self.body_head, self.body_tail = request_body(settings)
         self.errors = []         # this run's failed requests: {id, status, body, server, attempts}
@@ -323,13 +320,10 @@ class _Answers(ChatRequests):
         self.first_success = True
 
 
-def answer_prompts(prompts, *, url, model, generation, api_key=None, name="answers"):
+def answer_prompts(prompts, *, url, model, generation: GenerationSettings, api_key=None, name="answers"):
     """The trace records of ``prompts`` (single questions: dicts with "messages"), in order, from the server at
-    ``url``: the request body and retry policy of the traces. ``generation``: the GenerationSettings (its model
-    replaced by ``model``), or a dict of `generation:` keys over the schema's defaults (None: the default).
+    ``url``: the request body and retry policy of the traces, of ``generation`` (its model replaced by ``model``).
     Any failed request raises TracesError."""
-    if not isinstance(generation, GenerationSettings):
-        generation = GenerationSettings.defaults().replace(**{k: v for k, v in generation.items() if v is not None})
     keyed = [{**p, "id": str(i)} for i, p in enumerate(prompts)]  # unique ids: every prompt is sent
     run = _Answers(keyed, name=name, urls=[url], settings=generation.replace(model=model), api_key=api_key,
                    progress=False)

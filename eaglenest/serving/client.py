@@ -18,6 +18,7 @@ from email.utils import parsedate_to_datetime
 
 import aiohttp
 
+from ..settings import GenerationSettings, HiddenSettings, QuestionSettings
 from .probe import describe_os_error
 from .settings import key_hint
 
@@ -39,8 +40,10 @@ class RetryPolicy:
     backoff_max: float = 60.0
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "RetryPolicy":
-        return cls(**{k: settings[k] for k in ("max_retries", "backoff_base", "backoff_max") if k in settings})
+    def from_settings(cls, settings: GenerationSettings | QuestionSettings | HiddenSettings) -> "RetryPolicy":
+        """The policy a stage's settings give its client: ``generation.*`` (the traces, validation's requests, the
+        questions) or ``hidden.vllm.*`` (the extraction)."""
+        return cls(settings.max_retries, settings.backoff_base, settings.backoff_max)
 
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 1)."""

@@ -117,7 +117,7 @@ def extract_hidden_vllm(trace_paths, out_path, settings: HiddenSettings | None =
     t_start = time.time()
     out_path, storage = Path(out_path), Path(storage).resolve()
     client = StatesClient(url=url, model=model, storage=storage, head_path=head_path, request_timeout=s.request_timeout,
-                          retry=RetryPolicy(s.max_retries, s.backoff_base, s.backoff_max), api_key=api_key)
+                          retry=RetryPolicy.from_settings(s), api_key=api_key)
     info, hidden_size, aux_layers = client.info, client.hidden_size, client.aux_layers
 
     seqs, counts = shard_sequences(trace_paths, max_length, use_truncated)

@@ -275,7 +275,7 @@ def open_stream(spec: dict) -> StreamedStates:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     client = StatesClient(url=spec["url"], model=spec["model"], storage=spec["storage"], head_path=spec["head"],
                           request_timeout=spec["request_timeout"], api_key=api_key,
-                          retry=RetryPolicy.from_settings(spec))
+                          retry=RetryPolicy(spec["max_retries"], spec["backoff_base"], spec["backoff_max"]))
     return StreamedStates(spec["traces"], client=client, max_length=spec["max_length"],
                           use_truncated=spec["use_truncated"], concurrency=spec["concurrency"],
                           ahead_tokens=spec["ahead_tokens"], max_disk_bytes=float(spec["max_disk_gb"]) * 1e9 / world,

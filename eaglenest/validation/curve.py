@@ -18,6 +18,7 @@ from ..draft.checkpoint import load_checkpoint
 from ..draft.export import export_draft
 from ..draft.vllm_format import how_to_serve
 from ..errors import ServerError, ValidationError
+from ..serving.settings import ServerConfig
 from ..settings import ValidateSettings
 from ..util import say, write_atomic
 from .evalsets import read_prompts
@@ -26,10 +27,11 @@ from .runs import measure_run, validation_server
 
 
 def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSettings | None = None, *,
-                  log_dir="logs/validate", workflow_pid=None, log=say) -> dict:
+                  server: ServerConfig | None = None, log_dir="logs/validate", workflow_pid=None, log=say) -> dict:
     """vLLM's acceptance of the draft in ``checkpoint_path`` on the held-out prompts at T=0 (module docstring);
     writes it, with the step and tokens the draft had trained on, to ``json_path`` and returns it. ``settings``:
-    validation's (None: the schema's defaults)."""
+    validation's, ``server``: the generation server's, which the run's server starts from (None each: the schema's
+    defaults)."""
     settings = settings or ValidateSettings.defaults()
     t0 = time.time()
     k = settings.num_speculative_tokens
@@ -39,10 +41,9 @@ def measure_point(checkpoint_path, heldout_path, json_path, settings: ValidateSe
     export_draft(checkpoint_path, draft_dir)
     trained = load_checkpoint(checkpoint_path)[3]
     prompts = read_prompts(heldout_path)
-    srv = validation_server(settings)
+    srv = validation_server(settings, server or ServerConfig.defaults())
     model, spec, _ = how_to_serve("vllm", draft_dir.resolve(), k, srv.model)
-    requests = request_settings(settings.request_max_tokens, settings.generation, top_p=settings.request_top_p,
-                                seed=settings.seed)
+    requests = request_settings(settings)  # T=0
     log(f"curve_point: the draft of step {trained['step']} of {trained['of_steps']} in vLLM ({len(prompts)} prompts, k={k})")
     try:
         run = measure_run(name, dataclasses.replace(srv, model=model, served_model_name=srv.model_id), spec, prompts,

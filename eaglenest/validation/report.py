@@ -26,6 +26,7 @@ import torch
 
 from ..draft.vllm_format import (PARALLEL_KEYS, SWITCHES, config_value, draft_config_from_json, flat_config,
                                   state_dict_from_vllm)
+from ..settings import GenerationSettings
 from .matrix import PER_DRAFTED_STEP, matrix_findings, per_drafted_step, write_csv
 from .page import one_request_tps, ratio, render_html
 
@@ -96,9 +97,9 @@ def learning_curve(points: list[dict], final: dict, curves: dict, prompts: int) 
     return {"points": rows, "last_gain": last - before if before is not None else None}
 
 
-def cross_checks(target, prompts, runs, generation, offline) -> dict:
+def cross_checks(target, prompts, runs, generation: GenerationSettings, offline) -> dict:
     """Cross-checks that point at a cause when the numbers disagree (``runs``: the vLLM runs by name
-    with their answers, ``offline``: the prediction)."""
+    with their answers, ``generation``: the settings they were asked with, ``offline``: the prediction)."""
     base = runs["baseline"]["answers"]
     checks = {
         "served_dtype": runs["baseline"].get("served_dtype"),
@@ -118,7 +119,7 @@ def cross_checks(target, prompts, runs, generation, offline) -> dict:
         tok = AutoTokenizer.from_pretrained(target)
         mismatches = sum(
             a["prompt_token_ids"] is not None
-            and a["prompt_token_ids"] != chat_prompt_ids(tok, p["messages"], generation.get("chat_template_kwargs"))
+            and a["prompt_token_ids"] != chat_prompt_ids(tok, p["messages"], generation.chat_template_kwargs)
             for a, p in zip(base, prompts))
         checks["prompt_template_mismatches"] = mismatches
     except (OSError, ValueError) as e:  # a target without a loadable tokenizer here: say so, do not fail

@@ -5,36 +5,36 @@ from __future__ import annotations
 
 import time
 
-from ..serving.chat import GENERATION_DEFAULTS, answer_prompts
 from ..errors import TracesError, ValidationError
+from ..serving.chat import answer_prompts
+from ..settings import GenerationSettings, ValidateSettings
+
+# What decides a request's tokens beside the prompt: validation's own, whatever generation.extra_body says.
+SAMPLING_KEYS = ("temperature", "top_p", "seed", "max_tokens")
 
 
-def request_settings(max_tokens: int, generation: dict | None = None, *, temperature: float = 0.0,
-                     top_p: float | None = None, seed: int | None = None, chat_template_kwargs=None) -> dict:
-    """The ``generation`` settings of the traces client for validation: the config's (template
-    arguments, extra body, timeouts, retries), at ``temperature`` (greedy by default) and ``max_tokens``
-    long whatever they say; ``top_p``, ``seed`` and a set's ``chat_template_kwargs`` where given."""
-    g = {key: v for key, v in (generation or {}).items() if key in GENERATION_DEFAULTS}
-    sampling = ("temperature", "max_tokens", "top_p", "seed")
-    extra = {key: v for key, v in (g.get("extra_body") or {}).items() if key not in sampling}
-    out = {**g, "max_tokens": max_tokens, "temperature": float(temperature), "extra_body": extra or None}
-    for key, v in (("top_p", top_p), ("seed", seed), ("chat_template_kwargs", chat_template_kwargs)):
-        if v is not None:
-            out[key] = v
-    return out
+def request_settings(settings: ValidateSettings, *, temperature: float = 0.0, chat_template_kwargs=None) -> GenerationSettings:
+    """The generation settings of validation's requests: generation's (template arguments, extra body, timeout,
+    retries) at ``temperature`` (greedy by default), validation's max_tokens, top_p and seed (``request_max_tokens``,
+    ``request_top_p``, validate.seed; None: none), whatever generation says, and a set's ``chat_template_kwargs``
+    where given."""
+    g = settings.generation
+    extra = {key: v for key, v in (g.extra_body or {}).items() if key not in SAMPLING_KEYS}
+    return g.replace(max_tokens=settings.request_max_tokens, temperature=float(temperature), top_p=settings.request_top_p,
+                     seed=settings.seed, extra_body=extra or None,
+                     chat_template_kwargs=g.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs)
 
 
-def sent_settings(settings: dict) -> dict:
+def sent_settings(settings: GenerationSettings) -> dict:
     """What the requests of a cell carried that decides its tokens (recorded per cell in the report)."""
-    g = {**GENERATION_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
-    return {key: g.get(key) for key in ("temperature", "top_p", "seed", "max_tokens")}
+    return {key: getattr(settings, key) for key in SAMPLING_KEYS}
 
 
-def run_requests(url, model, prompts, settings, *, concurrency=8, api_key=None, min_seconds=0.0) -> dict:
-    """Send every prompt (``concurrency`` in flight), and the whole set again until ``min_seconds``
-    have passed (a short window makes tokens/s noise); returns throughput, latency, the number of
-    passes and the first pass's answers (trace records)."""
-    settings = {**settings, "concurrency": concurrency}
+def run_requests(url, model, prompts, settings: GenerationSettings, *, concurrency=8, api_key=None, min_seconds=0.0) -> dict:
+    """Send every prompt with ``settings`` (``request_settings``; ``concurrency`` in flight), and the whole set
+    again until ``min_seconds`` have passed (a short window makes tokens/s noise); returns throughput, latency,
+    the number of passes and the first pass's answers (trace records)."""
+    settings = settings.replace(concurrency=concurrency)
     t0 = time.monotonic()
     answers, passes, tokens, latencies = None, 0, 0, []
     while passes == 0 or time.monotonic() - t0 < min_seconds:

@@ -21,10 +21,9 @@ from .requests import one_request_speed, run_requests, sent_settings
 from .signals import reap, sigterm_stops_servers
 
 
-def validation_server(settings: ValidateSettings) -> ServerConfig:
-    """The server every validation run starts from: the generation server's settings, on validate.port where set."""
-    srv = ServerConfig.from_dict(settings.server)
-    return dataclasses.replace(srv, port=settings.port) if settings.port else srv
+def validation_server(settings: ValidateSettings, server: ServerConfig) -> ServerConfig:
+    """The server every validation run starts from: the generation server's (``server``), on validate.port where set."""
+    return server.replace(port=settings.port) if settings.port else server
 
 
 def measure_cell(url, model, cell: dict, *, api_key=None, k=None, first=None) -> dict:

@@ -52,10 +52,11 @@ OFFLINE_SKIPPED = ("validate.offline.engine resolves to none (hidden.backend {ba
 
 
 def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, settings: ValidateSettings | None = None,
-                   *, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None, log=print, csv_path=None,
-                   curve_paths=()) -> dict:
+                   *, server: ServerConfig | None = None, checkpoint_path=None, log_dir="logs/validate", workflow_pid=None,
+                   log=print, csv_path=None, curve_paths=()) -> dict:
     """The whole validation (module docstring); returns the report dict it wrote. ``settings``: the
-    stage's (the servers, the requests, the target; None: the schema's defaults). ``drafts``:
+    stage's (the runs, the requests, the target; None: the schema's defaults); ``server``: the generation
+    server's settings, which every run's server starts from (None: the schema's defaults). ``drafts``:
     ``{format: directory}`` of the exported drafts (or one directory in vLLM's format); each is
     measured in vLLM and gets the figures in its model card. ``checkpoint_path`` (the training
     checkpoint) adds the export-against-training check; ``curve_paths``: the learning curve's points
@@ -66,11 +67,10 @@ def validate_draft(drafts, heldout_path, metrics_path, json_path, html_path, set
     draft_dir = next(iter(drafts.values()))  # the offline prediction and the export check read this one
     t0 = time.time()
     prompts = read_prompts(heldout_path)
-    srv = validation_server(settings)
-    headline = request_settings(settings.request_max_tokens, settings.generation, top_p=settings.request_top_p,
-                                seed=settings.seed)  # the headline's: T=0
+    srv = validation_server(settings, server or ServerConfig.defaults())
+    headline = request_settings(settings)  # the headline's: T=0
     # The matrix: every set at every temperature, each measured on every server start.
-    temperatures = matrix_temperatures(settings.temperatures, settings.generation["temperature"])
+    temperatures = matrix_temperatures(settings.temperatures, settings.generation.temperature)
     sets = resolve_sets(settings.datasets, heldout_path)
     cells = _matrix_cells(settings, temperatures, sets, prompts, log)
     plan, formats, extras = _run_plan(drafts, settings, srv, log)
@@ -170,8 +170,7 @@ def _matrix_cells(settings: ValidateSettings, temperatures: list[float], sets: l
         for t in temperatures:
             headline = spec["name"] == "heldout" and t == 0
             cells.append({"set": spec["name"], "temperature": t, "prompts": rows if headline else some, "headline": headline,
-                          "settings": request_settings(settings.request_max_tokens, settings.generation, temperature=t,
-                                                       top_p=settings.request_top_p, seed=settings.seed,
+                          "settings": request_settings(settings, temperature=t,
                                                        chat_template_kwargs=spec["chat_template_kwargs"])})
     return cells
 
@@ -300,7 +299,7 @@ def _offline_prediction(settings: ValidateSettings, draft_dir, runs: dict, promp
     model = load_target(target, device=off["device"], dtype=offline_dtype)
     offline = offline_acceptance(target, draft_dir, k=k, sequences=sequences, prompts=prompts,
                                  max_tokens=settings.request_max_tokens,
-                                 chat_template_kwargs=settings.generation["chat_template_kwargs"], dtype=offline_dtype,
+                                 chat_template_kwargs=settings.generation.chat_template_kwargs, dtype=offline_dtype,
                                  device=off["device"], model=model)
     log(f"validate_draft: offline {fmt(offline['tokens_per_step'])} tokens per target step (acceptance length per "
         f"drafted step {fmt(offline['acceptance_length'])}; {offline['drafts']} drafts, {offline['seconds']} s)")

@@ -11,12 +11,14 @@ def measure_draft(name, wd: Path, cfg: dict, spec: dict, *, server: dict | None 
     measured on that run's held-out prompts (eight at a time after one warm-up request; this test's process
     is the watchdog's workflow). `server`: a server section other than cfg's. The answers are left out."""
     from eaglenest.serving.settings import ServerConfig
+    from eaglenest.settings import ValidateSettings
     from eaglenest.validation.evalsets import read_prompts
     from eaglenest.validation.requests import request_settings
     from eaglenest.validation.runs import measure_run
 
+    requests = request_settings(ValidateSettings.defaults().replace(max_tokens=cfg["generation"]["max_tokens"]))
     run = measure_run(name, ServerConfig.from_dict(server or cfg["server"]), spec,
-                      read_prompts(wd / "data/prompts/heldout.jsonl"), request_settings(cfg["generation"]["max_tokens"]),
+                      read_prompts(wd / "data/prompts/heldout.jsonl"), requests,
                       log_dir=log_dir or wd / "logs/validate", concurrency=8, warmup_requests=1,
                       min_seconds=0.0, workflow_pid=os.getpid())
     return {k: v for k, v in run.items() if k != "answers"}
