@@ -130,11 +130,6 @@ class QuestionSettings(Stage):
     backoff_max: float = setting("generation.backoff_max", reruns=False)
     cache_dir: str | None = setting("dataset.cache_dir", reruns=False)
 
-    def retry(self) -> "QuestionSettings":
-        """What serving.client.RetryPolicy.from_settings reads (max_retries, backoff_base, backoff_max): these
-        settings themselves. Left for data/questions.py's call until it passes the settings directly; then it goes."""
-        return self
-
     def fingerprint(self) -> dict:
         """First questions alone (turns 1) are written without answers: neither the turns nor the answers'
         sampling is in their fingerprint, so the questions of a run from before conversations stay."""

@@ -69,7 +69,7 @@ def write_questions(output, settings: QuestionSettings | None = None, *, url, mo
     s = settings or QuestionSettings.defaults()
     questions, max_tokens, temperature, top_p, min_chars, seed = \
         s.questions, s.max_tokens, s.temperature, s.top_p, s.min_chars, s.seed
-    client = _Client(url, api_key, s.concurrency, s.request_timeout, RetryPolicy.from_settings(s.retry()))
+    client = _Client(url, api_key, s.concurrency, s.request_timeout, RetryPolicy.from_settings(s))
     output = Path(output)
     partial = output.with_name(output.name + ".partial")
     prefix, stop_ids = user_turn(tokenizer)
