@@ -45,6 +45,27 @@ def load_exported_draft(draft_dir, embed_weight, *, dtype=torch.float32, device=
     return model.eval(), config
 
 
+def load_any_draft(draft_dir, embed_weight, num_target_layers: int):
+    """``(draft, the vLLM ids of the target layers it reads)`` of an exported draft of any kind: a DFlash draft
+    (its config.json has ``dflash_config``) or an EAGLE-3 one (eagle3, eagle3.1, peagle), in the embedding's
+    dtype and device. Both propose with the same ``propose(input_ids, aux_hidden, k)`` rows."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    if "dflash_config" in config:
+        from ..draft.dflash_format import load_dflash_draft
+
+        draft, aux_layers = load_dflash_draft(draft_dir, embed_weight)
+        rope = {name: b.clone() for name, b in draft.rotary_emb.named_buffers()}  # float32, as in load_exported_draft
+        draft.to(embed_weight.device, embed_weight.dtype)
+        for name, b in rope.items():
+            setattr(draft.rotary_emb, name, b.to(embed_weight.device))
+        return draft.eval(), list(aux_layers)
+    draft, config = load_exported_draft(draft_dir, embed_weight, dtype=embed_weight.dtype, device=embed_weight.device)
+    return draft, served_aux_layers(config, num_target_layers)
+
+
 def simulate_chain(proposals, tokens, start: int, k: int, end: int | None = None) -> list[int]:
     """Accepted count of every draft when greedy speculation generates ``tokens[start:end+1]``.
 
@@ -100,8 +121,7 @@ def offline_acceptance(target, draft_dir, *, k, sequences=None, prompts=None, ma
     if model is None:
         model = load_target(target, device=device, dtype=dtype)
     embed = model.get_input_embeddings().weight
-    draft, config = load_exported_draft(draft_dir, embed, dtype=embed.dtype, device=embed.device)
-    aux_layers = served_aux_layers(config, model.config.get_text_config().num_hidden_layers)
+    draft, aux_layers = load_any_draft(draft_dir, embed, model.config.get_text_config().num_hidden_layers)
     source = "given"
     if sequences is None:
         from transformers import AutoTokenizer
