@@ -289,7 +289,9 @@ def extract_states(lay: Layout, sizes, device):
 
 
 def train_ours(lay: Layout, n, kind, overrides, device):
-    """``train_draft`` with the preset's recipe (plus ``overrides``), exported by ``export_draft``."""
+    """``train_draft`` (``train_dflash`` for draft.kind dflash) with the preset's recipe (plus ``overrides``),
+    exported by ``export_draft``."""
+    from eaglenest.draft.dflash_train import train_dflash
     from eaglenest.draft.export import export_draft
     from eaglenest.draft.train import train_draft
 
@@ -297,7 +299,8 @@ def train_ours(lay: Layout, n, kind, overrides, device):
     _, hidden = size_chunks(lay, n)
     d = lay.size_dir(n) / kind
     d.mkdir(parents=True, exist_ok=True)
-    stats = train_draft(hidden, lay.size_dir(n) / "vocab.safetensors", d / "checkpoint.safetensors", d / "metrics.csv",
+    trainer = train_dflash if cfg["draft"]["kind"] == "dflash" else train_draft  # as rule train_draft picks
+    stats = trainer(hidden, lay.size_dir(n) / "vocab.safetensors", d / "checkpoint.safetensors", d / "metrics.csv",
                         head_path=lay.head, settings=TrainSettings.from_config(cfg).replace(**({"device": device} if device else {})),
                         state_dir=d / "state", progress=False)
     export_draft(d / "checkpoint.safetensors", d / "export", ExportSettings.from_config(cfg))
@@ -513,26 +516,37 @@ def eval_sets(lay: Layout, names=("heldout", "mt_bench")):
             for name in names if lay.evalset(name).exists()}
 
 
-def evaluate(lay: Layout, sizes, trainers, k, device, sets=("heldout", "mt_bench")):
+def evaluate(lay: Layout, sizes, trainers, ks, device, sets=("heldout", "mt_bench")):
+    """Offline acceptance of every trained draft at each k in ``ks`` (a DFlash draft also at its own block, less
+    the anchor), n-gram and the target alone, per evaluation set; rows appended to ``eval_results.jsonl``."""
+    from eaglenest.draft.dflash_format import config_from_json, speculative_tokens
+    from eaglenest.draft.vllm_format import kind_of
     from eaglenest.states.target import load_target
     from eaglenest.validation.predict import ngram_acceptance, offline_acceptance
 
     cfg = preset()
     model = load_target(str(lay.target), device=device, dtype=cfg["hidden"]["dtype"])
+    ngram = cfg["validate"]["ngram"]
     results = []
     for name, seqs in eval_sets(lay, sets).items():
-        ng = ngram_acceptance(seqs, k, cfg["validate"]["ngram"]["prompt_lookup_min"], cfg["validate"]["ngram"]["prompt_lookup_max"])
-        results.append({"set": name, "method": "ngram", **_figures(ng)})
+        for k in ks:
+            ng = ngram_acceptance(seqs, k, ngram["prompt_lookup_min"], ngram["prompt_lookup_max"])
+            results.append({"set": name, "method": "ngram", "k": k, **_figures(ng)})
         results.append({"set": name, "method": "target", "tokens_per_step": 1.0})
         for n in sizes:
             for tr in trainers:
                 d = lay.size_dir(n) / tr / "export"
                 if not (d / "config.json").exists():
                     continue
-                r = offline_acceptance(str(lay.target), d, k=k, sequences=seqs, model=model, progress=False)
-                results.append({"set": name, "method": "eagle3", "trainer": tr, "answers": n, **_figures(r)})
-                log(f"eval {name} {tr} {n}: {r.get('tokens_per_step', r['acceptance_length']):.3f} tokens/step, "
-                    f"per position {[round(p, 3) for p in r['per_position']]}")
+                config = json.loads((d / "config.json").read_text())
+                kind = kind_of(config)
+                own = [speculative_tokens(config_from_json(config)[0])] if kind == "dflash" else []
+                for k in dict.fromkeys([*ks, *own]):
+                    r = offline_acceptance(str(lay.target), d, k=k, sequences=seqs, model=model, progress=False)
+                    results.append({"set": name, "method": "eagle3", "kind": kind, "k": k, "trainer": tr, "answers": n,
+                                    **_figures(r)})
+                    log(f"eval {name} {tr} ({kind}) {n} k={k}: {r.get('tokens_per_step', r['acceptance_length']):.3f} "
+                        f"tokens/step, per position {[round(p, 3) for p in r['per_position']]}")
     out = lay.root / "eval_results.jsonl"  # the other sets' rows of an earlier call stay
     kept = [r for r in read_jsonl(out) if r["set"] not in sets] if out.exists() else []
     write_jsonl(out, kept + results)
@@ -554,7 +568,8 @@ def report(lay: Layout):
     rows = read_jsonl(lay.root / "eval_results.jsonl")
     trains = {(r["answers"], r["trainer"]): r for r in read_jsonl(lay.root / "train_results.jsonl")} \
         if (lay.root / "train_results.jsonl").exists() else {}
-    df = pd.DataFrame([r for r in rows if r["method"] == "eagle3"])
+    k0 = min((r.get("k", 3) for r in rows if r["method"] == "eagle3"), default=3)  # the table: the smallest k
+    df = pd.DataFrame([r for r in rows if r["method"] == "eagle3" and r.get("k", k0) == k0])
     table = df.pivot_table(index="answers", columns=["set", "trainer"], values="tokens_per_step")
     lines = ["| answers | " + " | ".join(f"{s} {t}" for s, t in table.columns) + " |",
              "|---" * (len(table.columns) + 1) + "|"]
@@ -563,7 +578,7 @@ def report(lay: Layout):
     for r in rows:
         if r["method"] == "ngram":
             if r.get("drafted_share"):
-                lines.append(f"\nn-gram on {r['set']}: {r['tokens_per_step']:.3f} tokens per step "
+                lines.append(f"\nn-gram on {r['set']} (k={r.get('k', 3)}): {r['tokens_per_step']:.3f} tokens per step "
                              f"(drafted on {r['drafted_share']:.0%} of steps; {r['acceptance_length']:.3f} per drafted step)")
             else:  # no n-gram matched anywhere: vLLM's per-draft figures are undefined
                 lines.append(f"\nn-gram on {r['set']}: never drafted, 1.000 tokens per step")
@@ -620,7 +635,7 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=[2000, 8000, 32000])
     p.add_argument("--trainers", nargs="+", default=["ours", "peer"],
                    help="ours, peer, or ours:KEY=VALUE[,KEY=VALUE] for our trainer with config overrides")
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", type=int, nargs="+", default=[3], help="eval: draft tokens per step (several: each)")
     p.add_argument("--sets", nargs="+", default=["heldout", "mt_bench"],
                    help="eval: the evaluation sets measured (the other sets' rows already written are kept)")
     a = p.parse_args(argv)

@@ -7,7 +7,10 @@
 #                                                 data ARGS), then states for the sizes in $SIZES (default: its own)
 #   bash benchmarks/gpu_quality.sh states [ARGS]  states again (a chunk already extracted is kept)
 #   bash benchmarks/gpu_quality.sh train [ARGS]   both trainers at every size (draft_quality.py train ARGS)
-#   bash benchmarks/gpu_quality.sh side G...      trainers side by side, one process per group "SIZES/TRAINERS"
+#   bash benchmarks/gpu_quality.sh side G...      trainers side by side, one process per group "[SUB@]SIZES/TRAINERS"
+#                                                 (SUB: a directory under the working one, e.g. conv's sets)
+#   bash benchmarks/gpu_quality.sh conv [ARGS]    after data: two-turn conversations against first turns (issue 54,
+#                                                 conversation_quality.py data ARGS), and both sets' states
 #   bash benchmarks/gpu_quality.sh rest [ARGS]    train, then eval and report in one call (REST_BUDGET seconds)
 #   bash benchmarks/gpu_quality.sh eval           offline acceptance, report; results to $OUT
 #
@@ -52,14 +55,23 @@ case $stage in
     $PY -c "import speculators" || exit 1
     BUDGET=${SIDE_BUDGET:-540}; i=0; pids=()
     for group in "$@"; do
+      dir=$DIR; case $group in *@*) dir=$DIR/${group%%@*}; group=${group#*@} ;; esac
       sizes=${group%%/*}; trainers=${group#*/}; i=$((i + 1))
-      timeout -k 5 "$BUDGET" $PY benchmarks/draft_quality.py train --dir "$DIR" --sizes $sizes --trainers $trainers \
+      timeout -k 5 "$BUDGET" $PY benchmarks/draft_quality.py train --dir "$dir" --sizes $sizes --trainers $trainers \
         > "$OUT/side_$i.log" 2>&1 &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; echo "== $pid exit $?"; done
     tail -n 3 "$OUT"/side_*.log
-    cp "$DIR"/train_results.jsonl "$OUT"/ 2>/dev/null ;;
+    for d in "$DIR" "$DIR"/conv "$DIR"/first; do  # the conv stage's two sets train in directories of their own
+      [ -f "$d"/train_results.jsonl ] && cp "$d"/train_results.jsonl "$OUT"/train_results.$(basename "$d").jsonl
+    done ;;
+  conv)  # after data: conversations against first turns (benchmarks/conversation_quality.py), then both sets' states
+    $PY benchmarks/conversation_quality.py data --dir "$DIR" --mtbench "$IN"/question.jsonl "$@" || exit 1
+    for s in conv first; do
+      n=$(cat "$DIR/$s"/traces/chunk_*.jsonl | wc -l)
+      $PY benchmarks/draft_quality.py states --dir "$DIR/$s" --sizes "$n" || exit 1
+    done ;;
   train)
     $PY benchmarks/draft_quality.py train --dir "$DIR" "$@" ;;
   check)
@@ -74,9 +86,10 @@ case $stage in
     timeout -k 5 "$(most 10)" $PY benchmarks/draft_quality.py eval --dir "$DIR" \
       && $PY benchmarks/draft_quality.py report --dir "$DIR"
     cp "$DIR"/*.jsonl "$DIR"/quality.* "$OUT"/ 2>/dev/null ;;
-  eval)
-    $PY benchmarks/draft_quality.py eval --dir "$DIR" "$@" && $PY benchmarks/draft_quality.py report --dir "$DIR"
-    cp "$DIR"/*.jsonl "$DIR"/quality.* "$OUT"/ 2>/dev/null ;;
+  eval)  # EVAL_SUB: a directory under the working one (conv, first) instead of it
+    d=$DIR${EVAL_SUB:+/$EVAL_SUB}; tag=${EVAL_SUB:+.$EVAL_SUB}
+    $PY benchmarks/draft_quality.py eval --dir "$d" "$@" && $PY benchmarks/draft_quality.py report --dir "$d"
+    for f in "$d"/eval_results.jsonl "$d"/quality.md; do [ -f "$f" ] && cp "$f" "$OUT/$(basename "${f%.*}")$tag.${f##*.}"; done ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;
 esac
