@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from eaglenest.config import validate_config
-from eaglenest.plan import RunSettings, answers_fingerprint, format_plan, make_plan
+from eaglenest.plan import RunSettings, answers_fingerprints, format_plan, make_plan
 from eaglenest.checks.__main__ import main
 from eaglenest.states.preflight import bytes_per_token
 
@@ -126,7 +126,7 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
     assert "generation so far" not in format_plan(make_plan(config, tmp_path, has_gpu=True))
     (tmp_path / "traces").mkdir()
     shard = {"records": 300, "completed": 300, "wall_s": 60.0}
-    fingerprint = answers_fingerprint(RunSettings.from_config(config))
+    fingerprint = answers_fingerprints(RunSettings.from_config(config))[0]
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     plan = make_plan(config, tmp_path, has_gpu=True)
     assert plan.measured["rate"] == 5.0 and plan.measured["remaining_s"] == 60.0  # 300 more at 5 a second
@@ -137,7 +137,7 @@ def test_the_generation_time_is_projected_from_finished_shards(tmp_path, capsys)
                                                        "generation": {"max_tokens": 256}, "hidden": {"max_length": 512},
                                                        "draft": {"vocab_size": 48}, "plan": {"hidden_size": 128}}))
     mine = validate_config(yaml.safe_load((tmp_path / "cfg.yaml").read_text()))
-    fingerprint = answers_fingerprint(RunSettings.from_config(mine))
+    fingerprint = answers_fingerprints(RunSettings.from_config(mine))[0]
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     main(["--configfile", str(tmp_path / "cfg.yaml"), "-d", str(tmp_path)])
     assert "the rest about 1.0 min" in capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_another_configs_prompts_and_traces_are_not_this_plans_figures(tmp_path)
     # this config's own: both are read
     mine = {**toy_stats, "path": kimi["dataset"]["path"], "limit": kimi["dataset"]["limit"], "train": 49000}
     (tmp_path / "data/prompts/stats.json").write_text(json.dumps(mine))
-    fingerprint = answers_fingerprint(RunSettings.from_config(kimi))
+    fingerprint = answers_fingerprints(RunSettings.from_config(kimi))[0]
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps({**shard, "fingerprint": fingerprint}))
     plan = make_plan(kimi, tmp_path, has_gpu=True)
     assert plan.prompts == 49000 and plan.measured["done"] == 300
@@ -354,8 +354,9 @@ def test_a_conversation_of_n_turns_costs_n_requests_and_their_tokens(tmp_path):
     assert make_plan(written, tmp_path, has_gpu=True).turns == 2
 
     (tmp_path / "traces").mkdir()
+    # a shard of conversations carries the key with the conversation limits (data.traces.answers_key)
     shard = {"records": 100, "completed": 250, "wall_s": 50.0, "conversations": {"records": 80, "turns": 230},
-             "fingerprint": answers_fingerprint(RunSettings.from_config(config))}
+             "fingerprint": answers_fingerprints(RunSettings.from_config(changed(config, "dataset", "max_turns", 3)))[1]}
     (tmp_path / "traces/shard_0.stats.json").write_text(json.dumps(shard))
     measured = make_plan(changed(config, "dataset", "max_turns", 3), tmp_path, has_gpu=True)
     # 20 single answers and 230 turns of 80 conversations: 2.5 requests a record, 500 records left at 5 a second

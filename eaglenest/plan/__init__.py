@@ -20,14 +20,14 @@ import shutil
 from pathlib import Path
 
 from ..states.preflight import bytes_per_token
-from .figures import (Plan, StageTime, answers_fingerprint, answers_per_prompt, human_bytes, human_seconds,
+from .figures import (Plan, StageTime, answers_fingerprints, answers_per_prompt, human_bytes, human_seconds,
                       measured_rate, training_prompts, validation_refusal, validation_time)
 from .run import RunSettings, server_gpus, stage_gpus
 from .target import assumed_generation, target_hidden_size, target_weights
 from .text import format_plan
 from .times import stage_hours, stage_plan
 
-__all__ = ["Plan", "RunSettings", "StageTime", "answers_fingerprint", "format_plan", "human_bytes",
+__all__ = ["Plan", "RunSettings", "StageTime", "answers_fingerprints", "format_plan", "human_bytes",
            "human_seconds", "make_plan", "server_gpus", "stage_gpus", "target_hidden_size", "target_weights",
            "validation_refusal"]
 
@@ -39,7 +39,7 @@ def make_plan(config: dict, workdir: str | Path = ".", has_gpu: bool | None = No
     has_gpu = bool(shutil.which("nvidia-smi")) if has_gpu is None else has_gpu
     s, g, h = run.server, run.generation, run.hidden
     prompts, source = training_prompts(run, workdir)
-    measured = measured_rate(workdir, prompts, answers_fingerprint(run))
+    measured = measured_rate(workdir, prompts, answers_fingerprints(run))
     turns, turns_source = answers_per_prompt(run, measured)
     # a conversation's sequence grows turn by turn: each turn's prompt and answer at most
     per_turn = run.prompts.max_prompt_chars + g.max_tokens

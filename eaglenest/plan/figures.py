@@ -161,23 +161,24 @@ def validation_refusal(plan: "Plan", limit_minutes: int | None) -> str | None:
             f"runtime in the profile")
 
 
-def answers_fingerprint(run: RunSettings) -> str:
-    """The fingerprint trace shards of this config carry: its served model and answer settings."""
+def answers_fingerprints(run: RunSettings) -> tuple[str, str]:
+    """The fingerprints trace shards of this config carry (its served model and answer settings): a shard of
+    single questions', and a shard of conversations', whose key adds the conversation limits (data.traces.answers_key)."""
     from ..data.traces import answers_key
 
-    return answers_key(run.generation)
+    return answers_key(run.generation), answers_key(run.generation, conversations=True)
 
 
-def measured_rate(workdir: Path, prompts: int | None, fingerprint: str | None = None) -> dict | None:
+def measured_rate(workdir: Path, prompts: int | None, fingerprints: tuple[str, ...] | None = None) -> dict | None:
     """From the finished trace shards' stats: records done, their answers (a conversation's turns each), requests
     per second over their runs, and the seconds the rest would take at that rate, each record costing as many
-    requests as the done ones did on average. None before any shard has stats. ``fingerprint``: only shards
-    answered by this target with these answer settings count (eaglenest.data.traces.answers_key)."""
+    requests as the done ones did on average. None before any shard has stats. ``fingerprints``: only shards
+    answered by this target with these answer settings count (``answers_fingerprints``)."""
     done = answers = answered = 0
     wall = 0.0
     for f in sorted((workdir / "traces").glob("shard_*.stats.json")):
         s = json.loads(f.read_text())
-        if fingerprint is not None and s.get("fingerprint") != fingerprint:
+        if fingerprints is not None and s.get("fingerprint") not in fingerprints:
             continue  # another target's or another setting's traces: their rate says nothing of this run
         done += s.get("records", 0)
         conversations = s.get("conversations") or {}  # data.trace_stats: a shard of conversations' turns
