@@ -124,6 +124,27 @@ def test_a_conversation_keeps_user_and_tool_turns_and_a_slot_per_answer(tmp_path
     assert "5 conversations, 1 user turns past max_turns 3 dropped" in summary(stats)
 
 
+def test_sharegpt_function_calls_are_the_assistants_and_observations_their_results(tmp_path):
+    """ShareGPT's function calling (glaive, LLaMA-Factory): a function_call turn is the assistant's call (its
+    value {"name", "arguments"} in JSON), an observation the tool's result, and bare functions in the tools
+    column are OpenAI tools; a function_call that holds no call is a malformed row, counted."""
+    row = {"id": "fc", "tools": json.dumps([ADD["function"]]), "conversations": [
+        {"from": "human", "value": "What is 1 + 2?"},
+        {"from": "function_call", "value": json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})},
+        {"from": "observation", "value": "3"},
+        {"from": "gpt", "value": "It is 3."}]}
+    broken = {"id": "bad", "conversations": [{"from": "human", "value": "What is 2 + 2?"},
+                                             {"from": "function_call", "value": "add two numbers"},
+                                             {"from": "observation", "value": "4"}]}
+    stats, prompts = _prepare(tmp_path, [row, broken], max_turns=3)
+    assert prompts["fc"]["tools"] == [ADD]
+    assert prompts["fc"]["messages"] == [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "content": "3"}, {"role": "assistant"}]
+    assert "bad" not in prompts and stats["dropped"]["malformed"] == 1, stats
+
+
 def test_max_turns_1_keeps_the_first_turns_records_and_ids(tmp_path):
     first, one = _prepare(tmp_path / "a", ROWS[:3], max_turns=1, columns={})
     _, four = _prepare(tmp_path / "b", ROWS[:3], max_turns=4, columns={})

@@ -36,7 +36,10 @@ ROLES = {
     "user": "user", "human": "user",
     "system": "system", "developer": "system",
     "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
-    "tool": "tool", "function": "tool", "function_call": "tool", "observation": "tool", "ipython": "tool",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
+    # ShareGPT's function calling (glaive, LLaMA-Factory): the assistant's call, its value {"name", "arguments"}
+    # (or a list of them) as JSON; the result follows as an "observation" turn.
+    "function_call": "assistant",
 }
 
 
@@ -253,15 +256,31 @@ def asks_turns(messages: list[dict], tools) -> bool:
 
 
 def _turn(turn, column: str, i: int) -> tuple[str, object, dict]:
-    """(role, text, the turn as an object) of a turn _from_turns has checked the structure of."""
+    """(role, text, the turn as an object) of a turn _from_turns has checked the structure of; a ShareGPT
+    function_call turn is an assistant turn with its calls as OpenAI ``tool_calls``."""
     if isinstance(turn, str):
         return "user", turn, {"role": "user", "content": turn}
     role_key, text_key = ("from", "value") if "from" in turn else ("role", "content")
+    if turn[role_key].strip().lower() == "function_call":
+        return "assistant", None, {"tool_calls": _sharegpt_calls(turn.get(text_key), column, i)}
     return ROLES[turn[role_key].strip().lower()], turn.get(text_key), turn
 
 
+def _sharegpt_calls(value, column: str, i: int) -> list[dict]:
+    """OpenAI ``tool_calls`` of a ShareGPT function_call turn's value: {"name", "arguments"} or a list of them,
+    as JSON text or as objects. RowError where it is neither."""
+    calls = _parse_list(value) if isinstance(value, str) else value
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RowError("malformed", f"{column}[{i}] is a function_call turn whose value is not a call "
+                                    f'{{"name", "arguments"}} (or a list of them) in JSON: {str(value)[:80]!r}')
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
+        c.get("arguments"), str) else json.dumps(c.get("arguments") or {})}} for c in calls]
+
+
 def _tools(row: dict):
-    """The row's OpenAI tools list (a "tools" column, or its JSON text), or None."""
+    """The row's OpenAI tools list (a "tools" column, or its JSON text), or None. A bare function ({"name",
+    "description", "parameters"}, as ShareGPT function-calling sets write them) is wrapped as OpenAI's tool."""
     tools = row.get("tools")
     if isinstance(tools, str):
         tools = _parse_list(tools)
@@ -269,6 +288,7 @@ def _tools(row: dict):
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RowError("malformed", f"tools is a {type(tools).__name__}, not a list of tool objects")
+    tools = [{"type": "function", "function": t} if "function" not in t and "name" in t else t for t in tools]
     return _without_nulls(tools)
 
 
