@@ -15,7 +15,7 @@ from eaglenest.draft.vocab import maps_from_ids
 from eaglenest.states.target import TargetFacts
 from eaglenest.vllm_facts import aux_layers_of_dflash, dflash_target_layer_ids, speculative_config
 from tests.support.config import TOY_TARGET
-from tests.support.drafts import TOY_AUX, TOY_MASK, TOY_TRAIN
+from tests.support.drafts import TOY_AUX, TOY_MASK, TOY_TRAIN, train_dflash_args, train_dflash_killed
 from tests.support.training import train_settings
 
 
@@ -168,6 +168,41 @@ def test_training_on_the_toys_answers_lowers_the_loss_and_drafts_what_the_target
           f"acceptance length at k=3 (offline): {trained_al:.2f} trained, {untrained_al:.2f} untrained")
     assert aux == TOY_AUX and last < 0.5 * first
     assert trained_al > 1.5 and trained_al > untrained_al + 0.4
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_runs_draft(toy_states, tmp_path):
+    """train_dflash killed with SIGKILL after its resume point of step 10 of 20 (save_every 5), then run again:
+    it resumes from step 10 and ends with the uninterrupted run's checkpoint tensor for tensor, its metrics
+    row for row and its drafts kept along training (steps 7 and 13: one before the kill, one after); the
+    resume points and the waiting drafts are gone once it is done."""
+    import csv
+
+    from eaglenest.draft.checkpoint import load_checkpoint
+    from eaglenest.draft.dflash_train import train_dflash
+
+    changes = {**TOY_TRAIN, "max_steps": 20, "save_every": 5}
+    args, kwargs = train_dflash_args(toy_states, tmp_path / "straight", changes)
+    assert train_dflash(*args, **kwargs)["resumed_from"] is None
+    killed = tmp_path / "killed"
+    train_dflash_killed(toy_states, killed, changes, at_step=10)
+    assert not (killed / "checkpoint.safetensors").exists() and not (killed / "curve_0.safetensors").exists()
+    assert sorted(p.name for p in (killed / "state").glob("step_*.pt")) == ["step_10.pt", "step_5.pt"]
+    assert len(list((killed / "state").glob("curve_*"))) == 1  # step 7's, waiting for the end of the run
+    args, kwargs = train_dflash_args(toy_states, killed, changes)
+    assert train_dflash(*args, **kwargs)["resumed_from"] == 10
+    assert not list((killed / "state").iterdir())
+    for name in ("checkpoint.safetensors", "curve_0.safetensors", "curve_1.safetensors"):
+        a, _, _, stats_a = load_checkpoint(tmp_path / "straight" / name)
+        b, _, _, stats_b = load_checkpoint(killed / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert (stats_a["steps"], stats_a["tokens"], stats_a["loss"]) == (stats_b["steps"], stats_b["tokens"], stats_b["loss"])
+    assert load_checkpoint(killed / "checkpoint.safetensors")[3]["resumed_from"] == 10
+
+    def figures(out):  # every column but the wall-clock rate
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in csv.DictReader(open(out / "metrics.csv"))]
+
+    straight, resumed = figures(tmp_path / "straight"), figures(killed)
+    assert [int(r["step"]) for r in resumed] == list(range(1, 21)) and resumed == straight
 
 
 # ----------------------------------------------------------------------------- in vLLM 0.32's own model

@@ -464,11 +464,11 @@ class _FixedShards:
     ("cpu", {"kind": "dflash"}, "857078a90033f7314636f9b143d6f426d878eeeaf906c4f382959e939af2f1cb"),
 ])
 def test_resume_fingerprint_is_the_one_states_were_saved_with(tmp_path, device, changes, expected):
-    """The hash a resume point is saved under (``train._fingerprint``), pinned to the bytes the trainer wrote
+    """The hash a resume point is saved under (``train.run_fingerprint``), pinned to the bytes the trainer wrote
     before its settings became typed (the training config dict): a state saved by an earlier version resumes.
     Two processes, the default settings, resolved for the device (an H100's capability: FP8 on CUDA)."""
     (tmp_path / "vocab").write_bytes(b"vocab")
     (tmp_path / "head").write_bytes(b"h" * 10)
     os.utime(tmp_path / "head", ns=(1_700_000_000_000_000_000,) * 2)
     settings = resolve_runtime(train_settings(changes), device, capability=(9, 0))
-    assert train._fingerprint(settings, _FixedShards(), tmp_path / "vocab", tmp_path / "head", 2) == expected
+    assert train.run_fingerprint(settings, _FixedShards(), tmp_path / "vocab", tmp_path / "head", 2) == expected

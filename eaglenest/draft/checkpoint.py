@@ -18,7 +18,7 @@ CHECKPOINT_FORMAT = "eaglenest.draft/1"
 
 def train_record(settings: TrainSettings) -> dict:
     """The training settings as the checkpoint records them (its ``train.config``) and the resume fingerprint
-    hashes them (``train._fingerprint``): flat, every field but where it runs and the stage objects, then the
+    hashes them (``train.run_fingerprint``): flat, every field but where it runs and the stage objects, then the
     draft's shape keys and its DFlash settings. Its keys and their order are a format: changing them breaks
     the resume of states saved before."""
     skip = ("device", "gpus", "nproc", "draft", "hidden")

@@ -5,9 +5,11 @@ Straight-line loop: read a batch (the same packing and order as ``train.train_dr
 its anchors, run the anchored blocks and their loss (``dflash.DFlashDraft.loss``), step AdamW. The
 checkpoint, its metrics CSV (a column per block slot, ``loss_{i}``/``acc_{i}`` for slot i+1) and the drafts
 kept along training are the ones ``train_draft`` writes, so export and the report read them the same way.
+A killed run resumes as ``train_draft``'s does (``train.TrainRun``): from ``state_dir/step_{n}.pt`` every
+``save_every`` steps, with the anchors' generator in it, so the resumed run ends with the same draft.
 
-Not yet here (the EAGLE trainer has them): resuming a killed run, several processes, hidden.mode stream,
-and the GPU paths (flex attention over the blocks, compile, the fused loss, FP8).
+Not yet here (the EAGLE trainer has them): several processes, hidden.mode stream, and the GPU paths (flex
+attention over the blocks, compile, the fused loss, FP8).
 """
 
 import math
@@ -24,7 +26,7 @@ from .checkpoint import draft_config, save_checkpoint, train_record
 from .dflash import DFlashConfig, DFlashDraft, sample_anchors
 from .metrics import Metrics, write_metrics
 from .optim import clip_and_step
-from .train import lr_at, open_states, snapshot_steps
+from .train import TrainRun, lr_at, open_states, run_fingerprint
 from .vocab import load_vocab
 
 
@@ -79,10 +81,10 @@ def _open(hidden_paths, vocab_path, head_path, stream):
     return head, info, d2t, t2d, shards
 
 
-def train_dflash(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, settings: TrainSettings, state_dir=None,
+def train_dflash(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, settings: TrainSettings, state_dir,
                  progress=True, stream=None, snapshot_paths=()) -> dict:
     """``train.train_draft`` for a DFlash draft (``settings.draft.kind``: dflash), with the same arguments and
-    outputs; ``state_dir`` is unused (no resume yet). Returns a summary."""
+    outputs, resuming the same way from ``state_dir``. Returns a summary."""
     t_start = time.time()
     device = resolve_device(settings.device)
     head, info, d2t, t2d, shards = _open(hidden_paths, vocab_path, head_path, stream)
@@ -92,38 +94,46 @@ def train_dflash(hidden_paths, vocab_path, out_path, metrics_path, *, head_path,
     opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     lengths = [shards.length(k) for k in range(len(shards))]
     total = count_steps(lengths, settings, 1)
-    keep = {}
-    for s, path in zip(snapshot_steps(total, len(snapshot_paths)), snapshot_paths):
-        keep.setdefault(s, []).append(path)
+    run = TrainRun.of(total, run_fingerprint(settings, shards, vocab_path, head_path, 1), state_dir, len(snapshot_paths), dcfg, info,
+                      trainer="train_dflash")
+    generator = torch.Generator().manual_seed(settings.seed)  # the anchors'
+    start, rows, resumed_from = run.resume(model, opt, device, generator)
     say(f"train_dflash: {device}, {dcfg.num_hidden_layers} layers, block {dcfg.block_size}, mask token {dcfg.mask_token_id}, "
         f"{total} steps, lm_head {'frozen' if settings.freeze_lm_head else 'trained'}")
-    bar = progress_bar(total=total, unit="step", desc="train_dflash", disable=not progress)
-    metrics = Metrics([], dcfg.block_size - 1, math.exp(-1 / settings.dflash_gamma), device, bar)
-    batches, generator = micro_batch_stream(lengths, settings), torch.Generator().manual_seed(settings.seed)
-    for step in range(1, total + 1):
+    bar = progress_bar(total=total, initial=start, unit="step", desc="train_dflash", disable=not progress)
+    metrics = Metrics(rows, dcfg.block_size - 1, math.exp(-1 / settings.dflash_gamma), device, bar)
+    batches = micro_batch_stream(lengths, settings, start=start * settings.grad_accum)
+    for step in range(start + 1, total + 1):
         lr = lr_at(step - 1, settings, total)
         epoch, sums, norm, tokens = dflash_step(model, opt, params, shards, batches, settings, lr, generator, device)
         metrics.add(step, epoch, lr, sums, norm, tokens)
-        if step in keep or step % settings.log_every == 0 or step == total:
+        save = step % settings.save_every == 0 and step < total
+        keep = [f for s, f in run.snapshots if s == step]
+        if save or keep or step % settings.log_every == 0 or step == total:
             metrics.flush()
-        for path in keep.get(step, []):
-            _save(path, model, dcfg, info, settings, _stats(metrics, step, total, t_start, model, shards, dcfg))
+        for path in keep:
+            _save(path, model, dcfg, info, settings, _stats(metrics, step, run, resumed_from, t_start, model, shards))
+        if save:
+            run.save_point(step, model, opt, device, metrics.rows, settings.keep_states, generator)
     bar.close()
-    stats = _stats(metrics, total, total, t_start, model, shards, dcfg)
+    stats = _stats(metrics, total, run, resumed_from, t_start, model, shards)
     _save(out_path, model, dcfg, info, settings, stats)
     write_metrics(metrics_path, metrics.rows)
-    say(f"train_dflash: {total} steps, {metrics.tokens} tokens in {stats['seconds']:.1f} s, loss {stats['loss']:.4f}, "
-        f"acc@1 {stats['acc'][0]:.3f} acc@{dcfg.block_size - 1} {stats['acc'][-1]:.3f} -> {out_path}")
+    run.finish(snapshot_paths)
+    say(f"train_dflash: {total} steps{f' (resumed from step {resumed_from})' if resumed_from else ''}, {metrics.tokens} tokens "
+        f"in {stats['seconds']:.1f} s, loss {stats['loss']:.4f}, acc@1 {stats['acc'][0]:.3f} "
+        f"acc@{dcfg.block_size - 1} {stats['acc'][-1]:.3f} -> {out_path}")
     return stats
 
 
-def _stats(metrics: Metrics, step, total, t_start, model, shards, dcfg) -> dict:
-    """The run's summary at ``step`` (it goes into the checkpoint too): ``acc`` per block slot 1 .. block_size-1."""
+def _stats(metrics: Metrics, step, run: TrainRun, resumed_from, t_start, model, shards) -> dict:
+    """The run's summary at ``step`` (it goes into the checkpoint too): ``acc`` per block slot 1 .. block_size-1;
+    ``tokens`` the run's, ``tokens_per_s`` this process's."""
     last, seconds = metrics.rows[-1], time.time() - t_start
-    return {"steps": step, "of_steps": total, "resumed_from": None, "tokens": sum(int(r["tokens"]) for r in metrics.rows),
-            "seconds": round(seconds, 2), "tokens_per_s": round(metrics.tokens / seconds, 1),
-            "parameters": sum(p.numel() for p in model.parameters()), "loss": last["loss"],
-            "acc": [last[f"acc_{j}"] for j in range(dcfg.block_size - 1)], "sequences": len(shards)}
+    return {"steps": step, "of_steps": run.total_steps, "resumed_from": resumed_from,
+            "tokens": sum(int(r["tokens"]) for r in metrics.rows), "seconds": round(seconds, 2),
+            "tokens_per_s": round(metrics.tokens / seconds, 1), "parameters": sum(p.numel() for p in model.parameters()),
+            "loss": last["loss"], "acc": [last[f"acc_{j}"] for j in range(run.dcfg.block_size - 1)], "sequences": len(shards)}
 
 
 def _save(path, model, dcfg, info, settings, stats):

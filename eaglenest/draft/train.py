@@ -35,6 +35,7 @@ from ..util import atomic_path, progress_bar, say
 from .batches import BatchLoader, count_steps, run_shapes
 from .checkpoint import draft_config, save_checkpoint, train_record
 from .config import DraftConfig
+from .dflash import DFlashConfig
 from .device import configure_compile, resolve_runtime, start_process
 from .fp8 import use_fp8
 from .metrics import Metrics, write_metrics
@@ -68,7 +69,8 @@ def lr_at(step, settings: TrainSettings, total_steps):
     return settings.lr * (settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _fingerprint(settings: TrainSettings, shards, vocab_path, head_path, world):
+def run_fingerprint(settings: TrainSettings, shards, vocab_path, head_path, world):
+    """What a run's resume points are saved under (``TrainRun``): a hash of its data, vocabulary, head and config."""
     # The global batch (micro-batches per optimizer step), not how it is split, identifies a run:
     # a state saved by 1 process x grad_accum 2 resumes under 2 processes x 1, and the reverse.
     # ``settings``: resolve_runtime's, recorded as the checkpoint records them (train_record).
@@ -122,29 +124,6 @@ def snapshot_steps(total_steps: int, n: int) -> list[int]:
 def _snapshot_file(state_dir, fingerprint, i):
     """Where the ``i``-th draft along training waits in ``state_dir`` until the run ends (named by the run)."""
     return Path(state_dir) / f"curve_{fingerprint[:16]}_{i}.safetensors"
-
-
-def resume(state_dir, fingerprint, model, opt, device, total_steps, snapshots=()):
-    """Load the newest resume point of this run in ``state_dir`` (same data and config, and every draft kept
-    along training before it still there; ``snapshots``: their (step, file)) into ``model`` and ``opt``
-    -> (step, metrics rows so far, the step resumed from or None)."""
-    for path in _state_files(state_dir):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["fingerprint"] != fingerprint:
-            say(f"train_draft: ignoring {path}, saved for other data or config")
-            continue
-        lost = [str(f) for s, f in snapshots if s <= state["step"] and not Path(f).exists()]
-        if lost:
-            say(f"train_draft: ignoring {path}: the draft(s) kept along training before it are gone ({', '.join(lost)})")
-            continue
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        if device.startswith("cuda") and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], device)
-        say(f"train_draft: resuming from {path} (step {state['step']} of {total_steps})")
-        return state["step"], state["metrics"], state["step"]
-    return 0, [], None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,30 +227,81 @@ def _prepare_compile(lengths, settings, start, remaining, world) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Run:
-    """Where a run stands and what its checkpoints carry."""
+class TrainRun:
+    """Where a run stands and what its checkpoints carry; its resume points and the drafts kept along training
+    wait in ``state_dir`` until it ends. Both trainers' (this module's and ``dflash_train``'s)."""
 
     total_steps: int
     fingerprint: str
-    """``_fingerprint``: the data and config the resume points were saved for."""
+    """``run_fingerprint``: the data and config the resume points were saved for."""
     state_dir: Path
     snapshots: list
     """(step, file in ``state_dir``) of each draft kept along training."""
-    dcfg: DraftConfig
+    dcfg: DraftConfig | DFlashConfig
     """The draft's ``checkpoint.draft_config``."""
     info: TargetFacts
     """The target's facts (``target.load_target_head``)."""
+    trainer: str = "train_draft"
+    """What the log lines are prefixed with."""
 
     @classmethod
-    def of(cls, total_steps, fingerprint, state_dir, n_snapshots, dcfg, info):
+    def of(cls, total_steps, fingerprint, state_dir, n_snapshots, dcfg, info, trainer="train_draft"):
         """The run's facts, its ``state_dir`` made, its ``n_snapshots`` drafts along training placed (``snapshot_steps``)."""
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         snapshots = [(s, _snapshot_file(state_dir, fingerprint, i)) for i, s in enumerate(snapshot_steps(total_steps, n_snapshots))]
-        return cls(total_steps, fingerprint, state_dir, snapshots, dcfg, info)
+        return cls(total_steps, fingerprint, state_dir, snapshots, dcfg, info, trainer)
+
+    def resume(self, model, opt, device, generator=None):
+        """Load the newest resume point of this run (same fingerprint, and every draft kept along training before
+        it still there) into ``model``, ``opt`` and the RNGs (``generator`` too, where given) -> (step, metrics
+        rows so far, the step resumed from or None)."""
+        for path in _state_files(self.state_dir):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if state["fingerprint"] != self.fingerprint:
+                say(f"{self.trainer}: ignoring {path}, saved for other data or config")
+                continue
+            lost = [str(f) for s, f in self.snapshots if s <= state["step"] and not Path(f).exists()]
+            if lost:
+                say(f"{self.trainer}: ignoring {path}: the draft(s) kept along training before it are gone ({', '.join(lost)})")
+                continue
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            if device.startswith("cuda") and state.get("cuda_rng") is not None:
+                torch.cuda.set_rng_state(state["cuda_rng"], device)
+            if generator is not None:
+                generator.set_state(state["generator"])
+            say(f"{self.trainer}: resuming from {path} (step {state['step']} of {self.total_steps})")
+            return state["step"], state["metrics"], state["step"]
+        return 0, [], None
+
+    def save_point(self, step, model, opt, device, rows, keep, generator=None):
+        """What a killed run resumes from (``resume``), in ``state_dir``; ``keep``: how many of them stay."""
+        state = {
+            "fingerprint": self.fingerprint,
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
+            "metrics": rows,
+        }
+        if generator is not None:
+            state["generator"] = generator.get_state()
+        _save_state(self.state_dir, step, state, keep)
+
+    def finish(self, snapshot_paths):
+        """The drafts kept along training moved to ``snapshot_paths``, the run's resume points (and other runs'
+        drafts) removed: the run is complete, its outputs written."""
+        for (_, kept), dest in zip(self.snapshots, snapshot_paths):
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(kept, dest)
+        for path in [*_state_files(self.state_dir), *Path(self.state_dir).glob("curve_*.safetensors")]:
+            path.unlink(missing_ok=True)
 
 
-def _keep_snapshot(path, inputs: StepInputs, run: _Run, step, rows):
+def _keep_snapshot(path, inputs: StepInputs, run: TrainRun, step, rows):
     """The draft at ``step`` as a checkpoint at ``path`` (one of the drafts kept along training)."""
     J = inputs.settings.ttt_length
     stats = {"step": step, "of_steps": run.total_steps, "tokens": sum(int(r["tokens"]) for r in rows),
@@ -279,21 +309,7 @@ def _keep_snapshot(path, inputs: StepInputs, run: _Run, step, rows):
     _save_weights(path, inputs.model, inputs.opt, inputs.settings, run.dcfg, run.info, stats)
 
 
-def _save_resume_point(inputs: StepInputs, run: _Run, step, rows):
-    """What a killed run resumes from (``resume``), in ``run.state_dir``."""
-    state = {
-        "fingerprint": run.fingerprint,
-        "step": step,
-        "model": inputs.model.state_dict(),
-        "optimizer": inputs.opt.state_dict(),
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state(inputs.device) if inputs.device.startswith("cuda") else None,
-        "metrics": rows,
-    }
-    _save_state(run.state_dir, step, state, inputs.settings.keep_states)
-
-
-def _train_steps(inputs: StepInputs, run: _Run, step, metrics: Metrics, rank) -> int:
+def _train_steps(inputs: StepInputs, run: TrainRun, step, metrics: Metrics, rank) -> int:
     """The optimizer steps from ``step`` to the run's last (the loader closed after them); rank 0 keeps
     the drafts along training and the resume points as it passes them -> the step reached."""
     settings, total_steps = inputs.settings, run.total_steps
@@ -310,7 +326,7 @@ def _train_steps(inputs: StepInputs, run: _Run, step, metrics: Metrics, rank) ->
             for path in keep:
                 _keep_snapshot(path, inputs, run, step, metrics.rows)
             if save:
-                _save_resume_point(inputs, run, step, metrics.rows)
+                run.save_point(step, inputs.model, inputs.opt, inputs.device, metrics.rows, settings.keep_states)
     finally:
         inputs.loader.close()
     return step
@@ -335,16 +351,11 @@ def _run_stats(step, resumed_from, metrics: Metrics, seconds, model, shards, J, 
     return stats
 
 
-def _write_outputs(inputs: StepInputs, run: _Run, stats, rows, out_path, metrics_path, snapshot_paths):
-    """The checkpoint, the metrics and the drafts kept along training at their outputs; the run's resume
-    points (and other runs' drafts) removed from ``run.state_dir``."""
+def _write_outputs(inputs: StepInputs, run: TrainRun, stats, rows, out_path, metrics_path, snapshot_paths):
+    """The checkpoint, the metrics and the drafts kept along training at their outputs (``TrainRun.finish``)."""
     _save_weights(out_path, inputs.model, inputs.opt, inputs.settings, run.dcfg, run.info, stats)
     write_metrics(metrics_path, rows)
-    for (_, kept), dest in zip(run.snapshots, snapshot_paths):
-        Path(dest).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(kept, dest)
-    for path in [*_state_files(run.state_dir), *Path(run.state_dir).glob("curve_*.safetensors")]:
-        path.unlink(missing_ok=True)  # the run is complete: its resume points are not, nor other runs' drafts
+    run.finish(snapshot_paths)
 
 
 def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, settings: TrainSettings, state_dir, progress=True,
@@ -384,8 +395,8 @@ def train_draft(hidden_paths, vocab_path, out_path, metrics_path, *, head_path, 
     lengths = [shards.length(k) for k in range(len(shards))]
     total_steps = count_steps(lengths, settings, world)
     accum, J = settings.grad_accum, settings.ttt_length
-    run = _Run.of(total_steps, _fingerprint(settings, shards, vocab_path, head_path, world), state_dir, len(snapshot_paths), dcfg, info)
-    step, rows, resumed_from = resume(run.state_dir, run.fingerprint, model, opt, device, total_steps, run.snapshots)
+    run = TrainRun.of(total_steps, run_fingerprint(settings, shards, vocab_path, head_path, world), state_dir, len(snapshot_paths), dcfg, info)
+    step, rows, resumed_from = run.resume(model, opt, device)
 
     remaining = (total_steps - step) * accum  # micro-batches this rank still trains on
     how = _describe_runtime(settings, model.runtime)
