@@ -185,7 +185,8 @@ def test_the_vllm_backend_and_stream_mode_write_the_same_masks(tok, tmp_path):
                             url=stub.url, model="toy", head_path=head, storage=storage, progress=False)
         stream = open_stream({"traces": [str(traces)], "url": stub.url, "model": "toy", "head": str(head),
                               "storage": str(storage), "server": {}, "max_length": 512, "use_truncated": True,
-                              "concurrency": 2, "request_timeout": 30, "max_retries": 0, "max_disk_gb": 1.0,
+                              "concurrency": 2, "request_timeout": 30, "max_retries": 0, "backoff_base": 1.0,
+                              "backoff_max": 30.0, "max_disk_gb": 1.0,
                               "cache": False, "ahead_tokens": 4096, "cache_dir": str(tmp_path / "cache")})
         try:
             stream.follow(range(len(seqs)))

@@ -55,7 +55,8 @@ def data(tmp_path_factory):
 def _spec(data, stub, **over):
     return {"traces": [str(p) for p in data["traces"]], "url": stub.url, "model": "toy", "head": str(data["head"]),
             "storage": str(stub.storage), "server": {}, "max_length": 64, "use_truncated": True, "concurrency": 3,
-            "request_timeout": 30, "max_retries": 0, "max_disk_gb": 200e3 / 1e9, "cache": True, "ahead_tokens": 512,
+            "request_timeout": 30, "max_retries": 0, "backoff_base": 1.0, "backoff_max": 30.0, "max_disk_gb": 200e3 / 1e9,
+            "cache": True, "ahead_tokens": 512,
             "cache_dir": str(data["root"] / "cache"), **over}
 
 

@@ -265,7 +265,7 @@ def stream_spec(hidden, *, traces, ready: dict, head, server: dict, batch_tokens
 def open_stream(spec: dict) -> StreamedStates:
     """A ``StreamedStates`` from plain settings (JSON: what the rule passes, also through torchrun):
     ``traces``, ``url``, ``model``, ``head``, ``storage``, ``server`` (the config section: the API key), the HiddenSettings
-    ``max_length``, ``use_truncated``, ``concurrency``, ``request_timeout``, ``max_retries``,
+    ``max_length``, ``use_truncated``, ``concurrency``, ``request_timeout``, ``max_retries``, ``backoff_base``, ``backoff_max``,
     ``max_disk_gb``, ``cache`` (``hidden:``, ``hidden.vllm``, ``hidden.stream``), plus ``ahead_tokens`` and ``cache_dir``."""
     from ..serving.settings import ServerConfig
 
