@@ -11,7 +11,9 @@ checked against; on the toy the two agree to the token count.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,9 +51,6 @@ def load_any_draft(draft_dir, embed_weight, num_target_layers: int):
     """``(draft, the vLLM ids of the target layers it reads)`` of an exported draft of any kind: a DFlash draft
     (its config.json has ``dflash_config``) or an EAGLE-3 one (eagle3, eagle3.1, peagle), in the embedding's
     dtype and device. Both propose with the same ``propose(input_ids, aux_hidden, k)`` rows."""
-    import json
-    from pathlib import Path
-
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     if "dflash_config" in config:
         from ..draft.dflash_format import load_dflash_draft
