@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from abc import ABC, abstractmethod
 
 from ..errors import TracesError
 from ..settings import GenerationSettings
@@ -89,7 +90,7 @@ def answer_record(prompt, answer, choice, reasoning, latency, server, attempt) -
     }
 
 
-class ChatRequests:
+class ChatRequests(ABC):
     """Requests of ``settings`` (GenerationSettings: the model, sampling, concurrency, timeouts and retries) to
     the ``urls``' replicas under ``name`` (in messages); more than ``max_errors`` failed requests stop it.
     A subclass says what a finished answer becomes (``finish``) and where finished work is kept (``kept``)."""
@@ -109,10 +110,10 @@ class ChatRequests:
         self.first_success = False
         self.total, self.progress, self.pbar = total, progress, None
 
+    @abstractmethod
     def finish(self, prompt, answer, choice, reasoning, latency, server, attempt):
         """Keep one answered request: each kind of run keeps its own (a trace shard appends it to its partial
         file, validation's answers hold it in memory), so the subclass says how."""
-        raise NotImplementedError(f"{type(self).__name__} does not say how it keeps an answer")
 
     def kept(self) -> str:
         """Where the finished work stays when the run fails (for its messages)."""
